@@ -1,0 +1,201 @@
+"""The `kvgate` command: `serve` the gateway, run simulated workers (`sim`), `dev` (both, for
+`make run`), and `key` (make an API/admin key and the hash that goes into the config)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from gateway.config import ConfigError, Settings, load_settings
+from gateway.logs import setup_logging
+
+DEFAULT_CONFIG = "config.example.toml"
+
+
+def _load(path: str) -> Settings:
+    try:
+        return load_settings(path)
+    except ConfigError as e:
+        sys.exit(f"kvgate: {e}")
+
+
+async def _serve(settings: Settings, config_path: Path | None, on_ready=None) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings, config_path)
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    if on_ready is None:
+        await server.serve()
+        return
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes a flag)
+        await asyncio.sleep(0.05)
+    if server.started:
+        await on_ready(app)
+    await task
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = _load(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        settings = settings.model_copy(
+            update={"server": settings.server.model_copy(update=overrides)}
+        )
+    setup_logging(settings.logging.level, settings.logging.format)
+    asyncio.run(_serve(settings, Path(args.config)))
+    return 0
+
+
+def _sim_groups(settings: Settings) -> list[tuple[int, int]]:
+    """Consecutive localhost ports of the configured workers -> (first port, count) groups."""
+    ports = []
+    for w in settings.workers:
+        u = urlsplit(w.url)
+        if u.hostname not in ("127.0.0.1", "localhost") or u.port is None:
+            sys.exit(f"kvgate dev: worker {w.name} ({w.url}) is not a local port to simulate")
+        ports.append(u.port)
+    groups: list[tuple[int, int]] = []
+    for p in sorted(ports):
+        if groups and groups[-1][0] + groups[-1][1] == p:
+            groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+        else:
+            groups.append((p, 1))
+    return groups
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(urls)
+    while pending:
+        for p in procs:
+            if p.poll() is not None:
+                sys.exit(f"kvgate dev: a simulated worker exited with code {p.returncode}")
+        for u in list(pending):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{u}/health", timeout=0.5).status_code == 200:
+                    pending.discard(u)
+        if time.monotonic() > deadline:
+            sys.exit(f"kvgate dev: workers not healthy after {timeout:.0f}s: {sorted(pending)}")
+        time.sleep(0.1)
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    settings = _load(args.config)
+    setup_logging(settings.logging.level, "text")
+    procs: list[subprocess.Popen[bytes]] = []
+    for port, n in _sim_groups(settings):
+        cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--workers", str(n)]
+        cmd += ["--profile", args.profile, "--model", args.model]
+        procs.append(subprocess.Popen(cmd, start_new_session=True))
+    try:
+        _wait_healthy([w.url for w in settings.workers], procs, 60)
+        base = f"http://{settings.server.host}:{settings.server.port}"
+
+        async def ready(app) -> None:  # type: ignore[no-untyped-def]
+            gw = app.state.gateway
+            for _ in range(100):
+                if gw.registry.healthy():
+                    break
+                await asyncio.sleep(0.05)
+            print(_banner(base, args.model, len(settings.workers)), flush=True)
+
+        asyncio.run(_serve(settings, Path(args.config), on_ready=ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        print("kvgate dev: stopped gateway and simulated workers", flush=True)
+    return 0
+
+
+def _banner(base: str, model: str, n: int) -> str:
+    return f"""
+kvgate is serving on {base} in front of {n} simulated vLLM workers. Ctrl-C stops everything.
+
+  curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+         "messages": [{{"role": "user", "content": "Hello, kvgate!"}}]}}'
+
+  python -c '
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="unused")
+for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,
+        messages=[{{"role": "user", "content": "Hello, kvgate!"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
+print()'
+
+  fleet: curl {base}/ready    metrics: curl {base}/metrics
+"""
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    key = args.key or "kvg-" + secrets.token_urlsafe(24)
+    print(f"key:    {key}")
+    print(f"sha256: {hashlib.sha256(key.encode()).hexdigest()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from workers.sim.cli import add_sim_parser
+
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gateway")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML config file (reloaded live)")
+    p.add_argument("--host", default=None, help="override server.host")
+    p.add_argument("--port", type=int, default=None, help="override server.port")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("dev", help="simulated workers for every configured worker + the gateway")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML config file")
+    p.add_argument("--profile", default="default", help="simulator timing profile")
+    p.add_argument("--model", default="sim-llama", help="model name the simulators serve")
+    p.set_defaults(func=cmd_dev)
+
+    p = sub.add_parser("key", help="make a key and print the sha256 the config stores")
+    p.add_argument("--key", default=None, help="hash this key instead of making a new one")
+    p.set_defaults(func=cmd_key)
+
+    add_sim_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

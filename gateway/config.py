@@ -1,0 +1,226 @@
+"""Typed settings, loaded from one TOML file with `KVGATE_*` environment overrides.
+
+The file is the source of truth ops edit; environment variables exist for containers and CI
+(`KVGATE_SERVER__PORT=9000`). Unknown keys are errors: a typo in a routing weight must not be
+silently ignored. Reloading builds a whole new `Settings`; a file that fails validation never
+replaces the running one (see `ConfigWatcher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+log = logging.getLogger("kvgate.config")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Debug header with the routing decision (worker and reason) on every response.
+    debug_headers: bool = False
+
+
+class LoggingSettings(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+    # One structured line per finished request.
+    requests: bool = True
+
+
+class AdminSettings(_Section):
+    # sha256 hex digest of the admin key; empty disables every /admin endpoint.
+    key_sha256: str = ""
+
+
+class WorkerSettings(_Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    url: str = Field(pattern=r"^https?://")
+    weight: float = Field(1.0, gt=0)
+    labels: dict[str, str] = Field(default_factory=dict)
+    # Bearer key the worker expects (vLLM --api-key), never the tenant's key.
+    api_key: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        return v.rstrip("/")
+
+
+class ProbeSettings(_Section):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    # Consecutive failures (probes and proxied requests) before a worker is ejected.
+    unhealthy_after: int = Field(3, ge=1)
+    # Consecutive successful probes before an ejected worker is readmitted.
+    healthy_after: int = Field(1, ge=1)
+    backoff_initial_s: float = Field(1.0, gt=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+
+
+class TimeoutSettings(_Section):
+    connect_s: float = Field(2.0, gt=0)
+    # Headers and first SSE event; long prompts queue and prefill before anything comes back.
+    first_byte_s: float = Field(60.0, gt=0)
+    # Longest silence between two SSE events before a stream is declared stuck.
+    idle_s: float = Field(30.0, gt=0)
+    total_s: float = Field(600.0, gt=0)
+
+
+class RetrySettings(_Section):
+    # Attempts in all (1 = no retry); only failures before the first byte are retried.
+    max_attempts: int = Field(3, ge=1, le=10)
+
+
+class RoutingSettings(_Section):
+    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+
+
+class UpstreamSettings(_Section):
+    # HTTP client used to relay to workers; chosen by measurement (see bench/overhead.py).
+    client: Literal["aiohttp", "httpx"] = "aiohttp"
+    max_connections: int = Field(1024, ge=1)
+    keepalive_s: float = Field(30.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    server: ServerSettings = ServerSettings()
+    logging: LoggingSettings = LoggingSettings()
+    admin: AdminSettings = AdminSettings()
+    workers: list[WorkerSettings] = Field(default_factory=list)
+    probes: ProbeSettings = ProbeSettings()
+    timeouts: TimeoutSettings = TimeoutSettings()
+    retries: RetrySettings = RetrySettings()
+    routing: RoutingSettings = RoutingSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (init kwargs carry the file's contents).
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _unique_workers(self) -> Settings:
+        names = [w.name for w in self.workers]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"duplicate worker names: {sorted(dupes)}")
+        return self
+
+
+class ConfigError(Exception):
+    """A config file that cannot become the running config; the message says why."""
+
+
+def _reject_nan(obj: Any, path: str = "") -> None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise ConfigError(f"{path or 'value'}: must be a finite number, got {obj}")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _reject_nan(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _reject_nan(v, f"{path}[{i}]")
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Parse and validate a whole file, or raise ConfigError; never returns half a config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"{p}: file not found") from e
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from e
+    _reject_nan(data)
+    try:
+        return Settings(**data)
+    except ValidationError as e:
+        errs = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"{path}: {errs}") from e
+
+
+class ConfigWatcher:
+    """Reloads the file on change (watchfiles) and on SIGHUP; applies only valid configs.
+
+    `on_change(new)` runs for every valid, different config; `on_error(msg)` for every rejected
+    one, after which the running config stays as it was.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        current: Settings,
+        on_change: Callable[[Settings], None],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.path = path
+        self.current = current
+        self._on_change = on_change
+        self._on_error = on_error
+        self._task: asyncio.Task[None] | None = None
+
+    def reload(self) -> bool:
+        try:
+            new = load_settings(self.path)
+        except ConfigError as e:
+            log.error("config reload rejected, keeping the running config: %s", e)
+            self._on_error(str(e))
+            return False
+        if new != self.current:
+            self.current = new
+            log.info("config reloaded from %s", self.path)
+            self._on_change(new)
+        return True
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Not available off the main thread or on some platforms; the file watch still works.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
+        self._task = asyncio.create_task(self._watch(), name="config-watch")
+
+    async def _watch(self) -> None:
+        from watchfiles import awatch
+
+        # Watch the directory: editors replace files by rename, which a file watch would miss.
+        target = self.path.resolve()
+        async for changes in awatch(target.parent, debounce=200, step=50):
+            if any(Path(p) == target for _, p in changes):
+                self.reload()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

@@ -1,0 +1,106 @@
+"""The gateway's Prometheus metrics, in a registry of its own (one per app instance).
+
+Label sets are bounded by config (models the fleet serves, configured workers); nothing from the
+request body that a client can vary freely ever becomes a label.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds; TTFT spans cache hits (ms) to long queued prefills (tens of s).
+_TTFT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvgate_requests",
+            "Finished requests by model, worker and HTTP status",
+            ["model", "worker", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvgate_rejected_requests",
+            "Requests the gateway refused itself, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "Gateway-observed time from request arrival to the first upstream SSE event",
+            ["model"],
+            buckets=_TTFT,
+            registry=r,
+        )
+        self.inter_event = Histogram(
+            "kvgate_inter_event_seconds",
+            "Gaps between upstream SSE reads while streaming",
+            ["model"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvgate_e2e_request_seconds",
+            "Gateway-observed request duration",
+            ["model"],
+            buckets=_E2E,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvgate_worker_in_flight", "Requests in flight per worker", ["worker"], registry=r
+        )
+        self.retries = Counter(
+            "kvgate_retries",
+            "Attempts retried on another worker, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "kvgate_stream_errors",
+            "Streams that failed after the first byte, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvgate_client_disconnects", "Streams the client abandoned", registry=r
+        )
+        self.worker_up = Gauge(
+            "kvgate_worker_up", "1 when the worker is healthy and routable", ["worker"], registry=r
+        )
+        self.worker_state = Gauge(
+            "kvgate_worker_state",
+            "Worker health state (1 = current)",
+            ["worker", "state"],
+            registry=r,
+        )
+        self.probe_seconds = Histogram(
+            "kvgate_probe_duration_seconds",
+            "Health/metrics probe duration",
+            ["worker"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.probe_failures = Counter(
+            "kvgate_probe_failures", "Failed probes", ["worker"], registry=r
+        )
+        self.config_reloads = Counter("kvgate_config_reloads", "Config reloads applied", registry=r)
+        self.config_reload_errors = Counter(
+            "kvgate_config_reload_errors",
+            "Config reloads rejected (running config kept)",
+            registry=r,
+        )
+
+    def forget_worker(self, name: str, states: list[str]) -> None:
+        """Drop a removed worker's series so dashboards do not show ghosts."""
+        for g in (self.in_flight, self.worker_up):
+            with contextlib.suppress(KeyError):
+                g.remove(name)
+        for s in states:
+            with contextlib.suppress(KeyError):
+                self.worker_state.remove(name, s)

@@ -1,0 +1,463 @@
+"""Upstream dispatch with retries, and the SSE relay.
+
+Retries happen only while nothing has reached the client: a connect error, a 5xx, or a timeout
+before the first SSE event moves the request to the next-best worker. Once the first byte is out,
+a failure becomes an in-band SSE error event followed by `[DONE]`, exactly as vLLM ends a stream
+that failed, so clients see one well-formed stream either way.
+
+The relay forwards the worker's bytes untouched. It looks at the bytes only to find event
+boundaries, `[DONE]`, and the final usage chunk (a substring test, no JSON per event); the usage
+chunk is parsed once, and removed again when the client did not ask for it (we force
+`include_usage` upstream so every stream can be accounted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.errors import APIError, no_capacity, sse_error_event
+from gateway.metrics import GatewayMetrics
+from gateway.upstream import (
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamResponse,
+    UpstreamStreamError,
+)
+from scoring.policy import Policy, RouteRequest
+from workers.registry import Registry, Worker
+
+log = logging.getLogger("kvgate.proxy")
+reqlog = logging.getLogger("kvgate.request")
+
+_SSE_HEADERS_PASSTHROUGH = ("content-type",)
+_USAGE_MARK = b'"usage"'
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, u: Any) -> Usage | None:
+        if not isinstance(u, dict):
+            return None
+        details = u.get("prompt_tokens_details") or {}
+        return cls(
+            prompt_tokens=int(u.get("prompt_tokens") or 0),
+            completion_tokens=int(u.get("completion_tokens") or 0),
+            cached_tokens=int(details.get("cached_tokens") or 0)
+            if isinstance(details, dict)
+            else 0,
+        )
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request on its way through the proxy."""
+
+    request_id: str
+    model: str
+    path: str
+    body: bytes
+    stream: bool
+    client_wants_usage: bool
+    route: RouteRequest
+    t_start: float = field(default_factory=time.perf_counter)
+    worker: str = ""
+    attempts: int = 0
+    status: int = 0
+    ttft: float | None = None
+    events: int = 0
+    usage: Usage | None = None
+    outcome: str = ""  # ok | upstream_error | client_disconnect | stream_error | ...
+
+
+@dataclass(slots=True)
+class Timeouts:
+    first_byte_s: float
+    idle_s: float
+    total_s: float
+
+
+class Proxy:
+    def __init__(
+        self,
+        registry: Registry,
+        client: UpstreamClient,
+        metrics: GatewayMetrics,
+        *,
+        policy: Callable[[], Policy],
+        timeouts: Callable[[], Timeouts],
+        max_attempts: Callable[[], int],
+        on_passive_failure: Callable[[str], None] = lambda name: None,
+        debug_headers: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.metrics = metrics
+        self._policy = policy
+        self._timeouts = timeouts
+        self._max_attempts = max_attempts
+        self._on_passive_failure = on_passive_failure
+        self._debug_headers = debug_headers
+
+    # -- dispatch --------------------------------------------------------------------------------
+    async def forward(self, call: Call) -> Response:
+        t = self._timeouts()
+        deadline = call.t_start + t.total_s
+        tried: set[str] = set()
+        last_error: APIError | None = None
+        max_attempts = self._max_attempts()
+        policy = self._policy()
+        while call.attempts < max_attempts:
+            cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
+            if not cands:
+                break
+            decision = policy.choose([w.view() for w in cands], call.route)
+            worker = self.registry.workers[decision.worker.name]
+            tried.add(worker.name)
+            call.attempts += 1
+            if call.attempts > 1:
+                self.metrics.retries.labels(last_error.code if last_error else "unknown").inc()
+            self._acquire(worker)
+            handed_off = False
+            try:
+                resp = await self._send(call, worker, min(t.first_byte_s, deadline - _now()))
+                if resp.status >= 500:
+                    body = await _read_bounded(resp, t.idle_s)
+                    last_error = _upstream_error(resp.status, body)
+                    self._fail(worker, f"HTTP {resp.status}")
+                    continue
+                call.worker = worker.name
+                call.status = resp.status
+                headers = self._headers(call, worker.name, decision.reason)
+                if resp.status != 200 or not call.stream:
+                    return await self._whole(call, worker, resp, headers, t, deadline)
+                first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
+                if first is None:
+                    last_error = APIError(
+                        502,
+                        "worker closed the stream before sending anything",
+                        "upstream_error",
+                        code="upstream_empty_stream",
+                    )
+                    self._fail(worker, "empty stream")
+                    continue
+                call.ttft = time.perf_counter() - call.t_start
+                headers["content-type"] = resp.headers.get(
+                    "content-type", "text/event-stream; charset=utf-8"
+                )
+                handed_off = True
+                return RelayResponse(self, call, worker, resp, first, headers, t, deadline)
+            except UpstreamConnectError as e:
+                last_error = APIError(
+                    502,
+                    f"worker {worker.name} unreachable: {e}",
+                    "upstream_error",
+                    code="upstream_connect_error",
+                )
+                self._fail(worker, f"connect: {e}")
+            except (TimeoutError, UpstreamStreamError) as e:
+                timeout = isinstance(e, TimeoutError)
+                last_error = APIError(
+                    504 if timeout else 502,
+                    f"worker {worker.name} "
+                    + ("sent nothing before the first-byte timeout" if timeout else f"failed: {e}"),
+                    "upstream_error",
+                    code="upstream_timeout" if timeout else "upstream_error",
+                )
+                self._fail(worker, "first-byte timeout" if timeout else str(e))
+            finally:
+                if not handed_off:
+                    self._release(worker)
+        if last_error is not None:
+            raise last_error
+        raise no_capacity(f"no healthy worker is serving model `{call.model}`")
+
+    async def _send(self, call: Call, worker: Worker, timeout: float) -> UpstreamResponse:
+        headers = {
+            "content-type": "application/json",
+            "x-request-id": call.request_id,
+        }
+        if worker.spec.api_key:
+            headers["authorization"] = f"Bearer {worker.spec.api_key}"
+        if timeout <= 0:
+            raise TimeoutError
+        async with asyncio.timeout(timeout):
+            return await self.client.post(worker.url + call.path, call.body, headers)
+
+    async def _first_chunk(
+        self, resp: UpstreamResponse, timeout: float
+    ) -> tuple[Any, bytes] | None:
+        it = resp.chunks()
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                first = await anext(it, b"")
+        except BaseException:
+            await resp.abort()
+            raise
+        if not first:
+            await resp.abort()
+            return None
+        return it, first
+
+    async def _whole(
+        self,
+        call: Call,
+        worker: Worker,
+        resp: UpstreamResponse,
+        headers: dict[str, str],
+        t: Timeouts,
+        deadline: float,
+    ) -> Response:
+        try:
+            async with asyncio.timeout(max(0.0, min(t.first_byte_s, deadline - _now()))):
+                body = await resp.read()
+        except BaseException:
+            await resp.abort()
+            raise
+        await resp.release()
+        call.ttft = time.perf_counter() - call.t_start
+        if resp.status == 200 and _USAGE_MARK in body:
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
+                call.usage = Usage.from_json(orjson.loads(body).get("usage"))
+        call.outcome = "ok" if resp.status == 200 else "upstream_4xx"
+        self.registry.passive_success(worker.name)
+        self.finish(call)
+        headers["content-type"] = resp.headers.get("content-type", "application/json")
+        return Response(body, resp.status, headers=headers)
+
+    def _headers(self, call: Call, worker: str, reason: str) -> dict[str, str]:
+        h = {"x-request-id": call.request_id, "x-kvgate-worker": worker}
+        if self._debug_headers():
+            h["x-kvgate-route"] = f"reason={reason};attempts={call.attempts}"
+        return h
+
+    def _acquire(self, worker: Worker) -> None:
+        worker.in_flight += 1
+        self.metrics.in_flight.labels(worker.name).set(worker.in_flight)
+
+    def _release(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+        self.metrics.in_flight.labels(worker.name).set(worker.in_flight)
+
+    def _fail(self, worker: Worker, error: str) -> None:
+        log.warning("worker %s failed before first byte: %s", worker.name, error)
+        self.registry.passive_failure(worker.name, error)
+        self._on_passive_failure(worker.name)
+
+    def finish(self, call: Call) -> None:
+        """Record one finished request: metrics and the structured log line."""
+        e2e = time.perf_counter() - call.t_start
+        self.metrics.requests.labels(call.model, call.worker or "-", str(call.status)).inc()
+        self.metrics.e2e.labels(call.model).observe(e2e)
+        if call.ttft is not None and call.status == 200:
+            self.metrics.ttft.labels(call.model).observe(call.ttft)
+        if reqlog.isEnabledFor(logging.INFO):
+            u = call.usage
+            reqlog.info(
+                "request",
+                extra={
+                    "fields": {
+                        "request_id": call.request_id,
+                        "model": call.model,
+                        "path": call.path,
+                        "worker": call.worker,
+                        "status": call.status,
+                        "outcome": call.outcome,
+                        "attempts": call.attempts,
+                        "stream": call.stream,
+                        "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+                        "e2e_ms": round(e2e * 1000, 3),
+                        "prompt_tokens": u.prompt_tokens if u else None,
+                        "completion_tokens": u.completion_tokens if u else None,
+                        "cached_tokens": u.cached_tokens if u else None,
+                    }
+                },
+            )
+
+
+class RelayResponse(Response):
+    """Streams one upstream SSE response to the client.
+
+    Runs the pump and a disconnect watcher side by side: the moment the client goes away the pump
+    is cancelled and the upstream connection closed, so the worker aborts the request and frees
+    its KV blocks. Cleanup sits in `finally` of `__call__`, so it runs even if the response is
+    cancelled before its first byte.
+    """
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        call: Call,
+        worker: Worker,
+        resp: UpstreamResponse,
+        first: tuple[AsyncIterator[bytes], bytes],
+        headers: dict[str, str],
+        timeouts: Timeouts,
+        deadline: float,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)  # before any `body` attribute exists: no content-length
+        self._proxy = proxy
+        self._call = call
+        self._worker = worker
+        self._resp = resp
+        self._it, self._first = first
+        self._t = timeouts
+        self._deadline = deadline
+        self._done = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = self._call
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not pump.done():
+                call.outcome = "client_disconnect"
+                self._proxy.metrics.client_disconnects.inc()
+                pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await pump
+        finally:
+            watch.cancel()
+            if not pump.done():
+                pump.cancel()
+            if self._done:
+                await self._resp.release()
+            else:
+                await self._resp.abort()
+            self._proxy._release(self._worker)
+            if not call.outcome:
+                call.outcome = "client_disconnect"
+            if call.outcome == "ok":
+                self._proxy.registry.passive_success(self._worker.name)
+            self._proxy.finish(call)
+
+    async def _pump(self, send: Send) -> None:
+        call = self._call
+        strip_usage = not call.client_wants_usage
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        pending = b""
+        chunk = self._first
+        idle = self._t.idle_s
+        inter_event = self._proxy.metrics.inter_event.labels(call.model)
+        last = time.perf_counter()
+        try:
+            while True:
+                data = pending + chunk if pending else chunk
+                cut = data.rfind(b"\n\n") + 2
+                if cut >= 2:
+                    out, pending = data[:cut], data[cut:]
+                    if _USAGE_MARK in out:
+                        out = self._take_usage(out, strip_usage)
+                    call.events += out.count(b"\n\n")
+                    if out.endswith(_DONE):
+                        self._done = True
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                else:
+                    pending = data
+                remaining = self._deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(min(idle, remaining)):
+                    chunk = await anext(self._it, b"")
+                if not chunk:
+                    break
+                now = time.perf_counter()
+                inter_event.observe(now - last)
+                last = now
+            if pending:
+                await send({"type": "http.response.body", "body": pending, "more_body": True})
+            if self._done:
+                call.outcome = "ok"
+            else:
+                raise UpstreamStreamError("worker closed the stream without [DONE]")
+        except (UpstreamStreamError, TimeoutError) as e:
+            reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
+            msg = (
+                "worker sent nothing for too long; stream ended by the gateway"
+                if isinstance(e, TimeoutError)
+                else f"worker stream failed: {e}"
+            )
+            call.outcome = reason
+            self._proxy.metrics.stream_errors.labels(reason).inc()
+            log.warning("request %s on %s: %s", call.request_id, call.worker, msg)
+            # An event may have been cut in half; end it before the error event.
+            tail = b"\n\n" if pending else b""
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": tail
+                    + sse_error_event(
+                        msg, "upstream_error", 504 if reason == "idle_timeout" else 502
+                    ),
+                    "more_body": True,
+                }
+            )
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _take_usage(self, out: bytes, strip: bool) -> bytes:
+        """Find the usage chunk among complete events; parse it once; drop it if unrequested."""
+        events = out.split(b"\n\n")
+        kept = []
+        for ev in events:
+            if _USAGE_MARK in ev and ev.startswith(b"data: {") and b'"choices":[]' in ev:
+                with contextlib.suppress(orjson.JSONDecodeError, ValueError):
+                    self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
+                if strip:
+                    continue
+            kept.append(ev)
+        return b"\n\n".join(kept)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
+    try:
+        async with asyncio.timeout(timeout):
+            body = await resp.read()
+    except (TimeoutError, UpstreamStreamError):
+        await resp.abort()
+        return b""
+    await resp.release()
+    return body[:65536]
+
+
+def _upstream_error(status: int, body: bytes) -> APIError:
+    """Keep the worker's own error envelope when there is one: it says what really went wrong."""
+    message, type_, code = f"worker returned HTTP {status}", "upstream_error", None
+    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
+        err = orjson.loads(body).get("error")
+        if isinstance(err, dict):
+            message = str(err.get("message") or message)
+            type_ = str(err.get("type") or type_)
+            code = err.get("code")
+        elif isinstance(err, str):
+            message = err
+    return APIError(status, message, type_, code=code if isinstance(code, str) else None)
+
+
+def _now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,165 @@
+"""The pooled HTTP client that carries requests to workers, behind a small interface.
+
+Two implementations so the choice stays a measurement, not a belief (`bench/overhead.py` runs
+both): aiohttp is the default because it adds the least latency per request on this hot path;
+httpx is kept for its API elsewhere (probes, admin, bench) and as a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+import aiohttp
+import httpx
+
+
+class UpstreamConnectError(Exception):
+    """The request never reached the worker (refused, reset, DNS, connect timeout)."""
+
+
+class UpstreamStreamError(Exception):
+    """The worker's response broke off (reset, truncated chunked body)."""
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    headers: Mapping[str, str]
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def abort(self) -> None:
+        """Close the connection without reading on: the worker sees the client go away."""
+
+    async def release(self) -> None:
+        """The body was read to the end: return the connection to the pool."""
+
+
+class UpstreamClient(Protocol):
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse: ...
+
+    async def close(self) -> None: ...
+
+
+# -- aiohttp -----------------------------------------------------------------------------------
+class _AiohttpResponse:
+    __slots__ = ("_r", "headers", "status")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self._r = r
+        self.status = r.status
+        self.headers = r.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.read()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            raise UpstreamStreamError(str(e) or type(e).__name__) from e
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._r.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            raise UpstreamStreamError(str(e) or type(e).__name__) from e
+
+    async def abort(self) -> None:
+        self._r.close()
+
+    async def release(self) -> None:
+        self._r.release()
+
+
+class AiohttpUpstream:
+    def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
+        self._connector = aiohttp.TCPConnector(
+            limit=max_connections,
+            limit_per_host=0,
+            keepalive_timeout=keepalive_s,
+            use_dns_cache=True,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=self._connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=connect_s),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        try:
+            r = await self._session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+            raise UpstreamConnectError(str(e) or type(e).__name__) from e
+        except TimeoutError as e:  # connect timeout
+            raise UpstreamConnectError("connect timeout") from e
+        return _AiohttpResponse(r)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+# -- httpx -------------------------------------------------------------------------------------
+class _HttpxResponse:
+    __slots__ = ("_r", "headers", "status")
+
+    def __init__(self, r: httpx.Response) -> None:
+        self._r = r
+        self.status = r.status_code
+        self.headers = r.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.aread()
+        except httpx.HTTPError as e:
+            raise UpstreamStreamError(str(e) or type(e).__name__) from e
+        finally:
+            await self._r.aclose()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._r.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            raise UpstreamStreamError(str(e) or type(e).__name__) from e
+
+    async def abort(self) -> None:
+        await self._r.aclose()
+
+    async def release(self) -> None:
+        await self._r.aclose()
+
+
+class HttpxUpstream:
+    def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=connect_s),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=keepalive_s,
+            ),
+        )
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        req = self._client.build_request("POST", url, content=body, headers=headers)
+        try:
+            r = await self._client.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+            raise UpstreamConnectError(str(e) or type(e).__name__) from e
+        return _HttpxResponse(r)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def make_upstream(
+    kind: str, *, connect_s: float, max_connections: int, keepalive_s: float
+) -> UpstreamClient:
+    cls = {"aiohttp": AiohttpUpstream, "httpx": HttpxUpstream}[kind]
+    return cls(connect_s=connect_s, max_connections=max_connections, keepalive_s=keepalive_s)

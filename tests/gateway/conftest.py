@@ -1,0 +1,159 @@
+"""Gateway end-to-end harness: simulated workers in a child process (so they can crash for real),
+the gateway in-process (so tests can look at its registry), all on 127.0.0.1 free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import Gateway, create_app
+from gateway.config import Settings
+
+MODEL = "sim-llama"
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free consecutive ports")
+
+
+@dataclass
+class SimProcess:
+    proc: subprocess.Popen[bytes]
+    urls: list[str]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def start_sims(n: int, *args: str, profile: str = "fast") -> SimProcess:
+    port = free_ports(n)
+    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--workers", str(n)]
+    cmd += ["--profile", profile, "--model", MODEL, *args]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
+    deadline = time.monotonic() + 30
+    pending = set(urls)
+    while pending:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvgate sim exited with {proc.returncode}")
+        for u in list(pending):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(u + "/health", timeout=0.5).status_code == 200:
+                    pending.discard(u)
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"simulated workers not healthy: {pending}")
+        time.sleep(0.05)
+    return SimProcess(proc, urls)
+
+
+@pytest.fixture
+def sims() -> Iterator[Any]:
+    started: list[SimProcess] = []
+
+    def make(n: int = 2, *args: str, profile: str = "fast") -> SimProcess:
+        sp = start_sims(n, *args, profile=profile)
+        started.append(sp)
+        return sp
+
+    yield make
+    for sp in started:
+        sp.kill()
+
+
+def settings_for(urls: list[str], **sections: dict[str, Any]) -> Settings:
+    data: dict[str, Any] = {
+        "server": {"host": "127.0.0.1", "port": 0},
+        "probes": {"interval_s": 0.2, "timeout_s": 1.0, "unhealthy_after": 2},
+        "timeouts": {"first_byte_s": 10, "idle_s": 5, "total_s": 30},
+        "logging": {"level": "warning"},
+        "workers": [{"name": f"w{i}", "url": u} for i, u in enumerate(urls)],
+    }
+    for k, v in sections.items():
+        data[k] = {**data.get(k, {}), **v}
+    return Settings(**data)
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    gw: Gateway
+
+    async def metrics(self) -> dict[str, float]:
+        async with httpx.AsyncClient() as c:
+            text = (await c.get(self.url + "/metrics")).text
+        return flat_metrics(text)
+
+    async def wait_healthy(self, n: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.gw.registry.healthy()) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(self.gw.registry.healthy())} of {n} workers healthy")
+            await asyncio.sleep(0.02)
+
+
+def flat_metrics(text: str) -> dict[str, float]:
+    """`name{a="x",b="y"}` -> value, labels sorted, for compact assertions."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+@contextlib.asynccontextmanager
+async def run_gateway(settings: Settings, config_path: Any = None) -> AsyncIterator[RunningGateway]:
+    app = create_app(settings, config_path)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
+        )
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

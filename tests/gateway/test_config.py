@@ -1,0 +1,68 @@
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, ConfigWatcher, Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_config_is_valid_and_complete() -> None:
+    s = load_settings(ROOT / "config.example.toml")
+    assert s.server.host == "127.0.0.1"
+    assert [w.name for w in s.workers] == ["sim-1", "sim-2", "sim-3", "sim-4"]
+    # Every option of every section appears in the example file, so ops can find it.
+    text = (ROOT / "config.example.toml").read_text()
+    for section, model in Settings.model_fields.items():
+        if section == "workers":
+            continue
+        assert f"[{section}]" in text, section
+        for key in model.annotation.model_fields:  # type: ignore[union-attr]
+            assert f"\n{key} = " in text, f"{section}.{key} missing from config.example.toml"
+
+
+def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[server]\nport = 8001\n")
+    monkeypatch.setenv("KVGATE_SERVER__PORT", "9123")
+    assert load_settings(f).server.port == 9123
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[server\nport=1", "invalid TOML"),
+        ("[server]\nprot = 1\n", "server.prot"),
+        ("[probes]\ninterval_s = -1\n", "probes.interval_s"),
+        ("[probes]\ninterval_s = nan\n", "finite"),
+        (
+            '[[workers]]\nname="a"\nurl="http://x"\n[[workers]]\nname="a"\nurl="http://y"\n',
+            "duplicate",
+        ),
+        ('[[workers]]\nname="a"\nurl="ftp://x"\n', "workers.0.url"),
+        ('[routing]\npolicy = "bogus"\n', "routing.policy"),
+    ],
+)
+def test_invalid_files_are_rejected_with_the_reason(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        load_settings(f)
+
+
+def test_watcher_applies_valid_and_keeps_running_config_on_invalid(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[routing]\npolicy = "round_robin"\n')
+    applied: list[Settings] = []
+    errors: list[str] = []
+    w = ConfigWatcher(f, load_settings(f), applied.append, errors.append)
+    f.write_text('[routing]\npolicy = "least_loaded"\n')
+    assert w.reload()
+    assert applied[-1].routing.policy == "least_loaded"
+    f.write_text('[routing]\npolicy = "least_loaded"\nweight = 1\n')
+    assert not w.reload()
+    assert errors and w.current.routing.policy == "least_loaded"
+    assert len(applied) == 1
+    # An unchanged file applies nothing.
+    f.write_text('[routing]\npolicy = "least_loaded"\n')
+    assert w.reload() and len(applied) == 1

@@ -1,0 +1,321 @@
+"""The gateway in front of simulated vLLM workers, end to end over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.gateway.conftest import MODEL, flat_metrics, run_gateway, settings_for
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about KV caches."}]}
+
+
+async def post(url: str, body: dict, **kw) -> httpx.Response:  # type: ignore[no-untyped-def]
+    async with httpx.AsyncClient(timeout=30) as c:
+        return await c.post(url, json=body, **kw)
+
+
+async def sim_faults(url: str, **faults: object) -> None:
+    async with httpx.AsyncClient() as c:
+        r = await c.post(url + "/sim/faults", json=faults)
+        r.raise_for_status()
+
+
+async def worker_metrics(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient() as c:
+        return flat_metrics((await c.get(url + "/metrics")).text)
+
+
+def aborts(m: dict[str, float]) -> float:
+    return sum(
+        v
+        for k, v in m.items()
+        if k.startswith("vllm:request_success_total") and 'finished_reason="abort"' in k
+    )
+
+
+async def test_openai_client_streams_and_non_streams_through_the_gateway(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(2)
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(2)
+        client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=CHAT["messages"], stream=True, max_tokens=12
+        )
+        pieces, finish = [], None
+        async for chunk in stream:
+            assert chunk.usage is None  # not asked for: the gateway strips what it forced
+            for c in chunk.choices:
+                pieces.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        assert "".join(pieces) and finish == "length"
+
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            stream=True,
+            max_tokens=7,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=CHAT["messages"], max_tokens=5
+        )
+        assert chat.usage.completion_tokens == 5 and chat.choices[0].message.content
+        comp = await client.completions.create(model=MODEL, prompt=[1001, 1002, 1003], max_tokens=3)
+        assert comp.usage.prompt_tokens == 3 and comp.choices[0].text
+
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CHAT["messages"], max_tokens=2
+        )
+        assert raw.headers["x-kvgate-worker"] in {"w0", "w1"}
+        assert raw.headers["x-request-id"]
+
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_sse_bytes_are_the_workers_bytes(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    body = {**CHAT, "stream": True, "max_tokens": 16, "stream_options": {"include_usage": True}}
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        direct = await post(
+            fleet.urls[0] + "/v1/chat/completions", body, headers={"x-request-id": "same-id"}
+        )
+        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "same-id"})
+    assert via.headers["content-type"] == direct.headers["content-type"]
+    assert via.headers["x-request-id"] == "same-id"
+    norm = lambda b: re.sub(rb'"created":\d+', b'"created":0', b)  # noqa: E731
+    assert norm(via.content) == norm(direct.content)
+    assert via.content.endswith(b"data: [DONE]\n\n") and b'"usage"' in via.content
+
+
+async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_ask(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    body = {**CHAT, "stream": True, "max_tokens": 4}
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        direct = await post(
+            fleet.urls[0] + "/v1/chat/completions", body, headers={"x-request-id": "r1"}
+        )
+        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "r1"})
+    norm = lambda b: re.sub(rb'"created":\d+', b'"created":0', b)  # noqa: E731
+    assert norm(via.content) == norm(direct.content)
+    assert b'"usage"' not in via.content
+
+
+async def test_unknown_model_404_and_no_healthy_worker_503(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        r = await post(g.url + "/v1/chat/completions", {**CHAT, "model": "gpt-nope"})
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found"
+        fleet.kill()
+        await asyncio.sleep(1.0)  # > unhealthy_after x interval
+        r = await post(g.url + "/v1/chat/completions", CHAT)
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert int(r.headers["retry-after"]) >= 1
+        ready = await post_get(g.url + "/ready")
+        assert ready.status_code == 503
+
+
+async def post_get(url: str) -> httpx.Response:
+    async with httpx.AsyncClient() as c:
+        return await c.get(url)
+
+
+async def test_worker_500_is_retried_transparently_on_another(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(2)
+    await sim_faults(fleet.urls[0], error_rate=1.0, error_status=500)
+    settings = settings_for(
+        fleet.urls, routing={"policy": "round_robin"}, probes={"unhealthy_after": 100}
+    )
+    async with run_gateway(settings) as g:
+        await g.wait_healthy(2)
+        for stream in (False, True, False, True):
+            r = await post(
+                g.url + "/v1/chat/completions", {**CHAT, "stream": stream, "max_tokens": 3}
+            )
+            assert r.status_code == 200 and r.headers["x-kvgate-worker"] == "w1"
+        m = await g.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("kvgate_retries_total")) >= 2
+
+
+async def test_all_workers_500_passes_the_upstream_envelope_through(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(2)
+    for u in fleet.urls:
+        await sim_faults(u, error_rate=1.0, error_status=503)
+    async with run_gateway(settings_for(fleet.urls, probes={"unhealthy_after": 100})) as g:
+        await g.wait_healthy(2)
+        r = await post(g.url + "/v1/chat/completions", CHAT)
+        assert r.status_code == 503
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_refused_connections_are_retried_and_the_dead_worker_ejected(sims) -> None:  # type: ignore[no-untyped-def]
+    a, b = sims(1), sims(1)
+    settings = settings_for(
+        a.urls + b.urls,
+        routing={"policy": "round_robin"},
+        probes={"interval_s": 30, "unhealthy_after": 2},
+    )
+    async with run_gateway(settings) as g:
+        await g.wait_healthy(2)
+        a.kill()  # probes are 30 s apart: only passive failures can notice
+        for _ in range(6):
+            r = await post(g.url + "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-kvgate-worker"] == "w1"
+        assert g.gw.registry.workers["w0"].health.value == "unhealthy"
+
+
+async def test_worker_dying_mid_stream_gives_an_sse_error_event_and_done(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    await sim_faults(fleet.urls[0], close_after_tokens=3)
+    async with run_gateway(settings_for(fleet.urls, probes={"unhealthy_after": 100})) as g:
+        await g.wait_healthy(1)
+        r = await post(g.url + "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50})
+        assert r.status_code == 200
+        events = [e for e in r.content.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        err = orjson.loads(events[-2][len(b"data: ") :])["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert any(b'"content"' in e for e in events[:-2])  # some tokens made it first
+        m = await g.metrics()
+        assert m['kvgate_stream_errors_total{reason="upstream_broken"}'] == 1
+
+
+async def test_stalled_stream_is_ended_by_the_idle_timeout(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    await sim_faults(fleet.urls[0], stall_after_tokens=2)
+    settings = settings_for(fleet.urls, timeouts={"idle_s": 0.5}, probes={"unhealthy_after": 100})
+    async with run_gateway(settings) as g:
+        await g.wait_healthy(1)
+        r = await post(g.url + "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 50})
+        assert r.content.endswith(b"data: [DONE]\n\n") and b'"error"' in r.content
+        assert g.gw.registry.workers["w0"].in_flight == 0
+
+
+async def test_client_disconnect_aborts_the_request_on_the_worker(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1, profile="default")  # GPU-like timing: 2,000 tokens take many seconds
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        before = aborts(await worker_metrics(fleet.urls[0]))
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+            async with c.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    got += line.startswith("data: ")
+                    if got >= 3:
+                        break
+        for _ in range(100):
+            m = await worker_metrics(fleet.urls[0])
+            if aborts(m) > before:
+                break
+            await asyncio.sleep(0.05)
+        assert aborts(m) == before + 1
+        assert m['vllm:num_requests_running{engine="0",model_name="sim-llama"}'] == 0
+        for _ in range(100):
+            if g.gw.registry.workers["w0"].in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert g.gw.registry.workers["w0"].in_flight == 0
+        assert (await g.metrics())["kvgate_client_disconnects_total"] == 1
+
+
+async def test_unhealthy_worker_stops_getting_traffic_and_comes_back(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(2)
+    interval = 0.3
+    settings = settings_for(
+        fleet.urls,
+        routing={"policy": "round_robin"},
+        probes={
+            "interval_s": interval,
+            "unhealthy_after": 1,
+            "backoff_initial_s": 0.3,
+            "backoff_max_s": 0.6,
+        },
+    )
+    async with run_gateway(settings) as g:
+        await g.wait_healthy(2)
+        await sim_faults(fleet.urls[0], unhealthy=True)
+        await asyncio.sleep(2 * interval + 0.1)
+        seen = set()
+        for _ in range(6):
+            r = await post(g.url + "/v1/chat/completions", {**CHAT, "max_tokens": 1})
+            seen.add(r.headers["x-kvgate-worker"])
+        assert seen == {"w1"}
+        await sim_faults(fleet.urls[0], unhealthy=False)
+        await g.wait_healthy(2, timeout=5)
+        seen = set()
+        for _ in range(6):
+            r = await post(g.url + "/v1/chat/completions", {**CHAT, "max_tokens": 1})
+            seen.add(r.headers["x-kvgate-worker"])
+        assert seen == {"w0", "w1"}
+        m = await g.metrics()
+        assert m['kvgate_worker_up{worker="w0"}'] == 1
+
+
+async def test_gateway_metrics_are_exposed(sims) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        await post(g.url + "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 3})
+        await post(g.url + "/v1/chat/completions", {**CHAT, "model": "nope"})
+        m = await g.metrics()
+    assert m[f'kvgate_requests_total{{model="{MODEL}",status="200",worker="w0"}}'] == 1
+    assert m[f'kvgate_time_to_first_token_seconds_count{{model="{MODEL}"}}'] == 1
+    assert m[f'kvgate_e2e_request_seconds_count{{model="{MODEL}"}}'] == 1
+    assert m['kvgate_rejected_requests_total{reason="404"}'] == 1
+    assert m['kvgate_worker_up{worker="w0"}'] == 1
+    assert m['kvgate_worker_in_flight{worker="w0"}'] == 0
+    assert any(k.startswith("kvgate_probe_duration_seconds_count") for k in m)
+
+
+@pytest.mark.parametrize(
+    "content, headers, status",
+    [
+        (b"{not json", {}, 400),
+        (b'{"model": 5, "messages": []}', {}, 400),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', {}, 400),
+        (b'{"model": "sim-llama", "messages": [{"role": "user", "content": "\xff\xfe"}]}', {}, 400),
+        (
+            b'{"model": "sim-llama", "messages": [{"role": "user", "content": "'
+            + b"x" * 70000
+            + b'"}]}',
+            {},
+            413,
+        ),
+    ],
+)
+async def test_bad_input_gets_the_envelope_and_never_reaches_a_worker(
+    sims, content, headers, status
+) -> None:  # type: ignore[no-untyped-def]
+    fleet = sims(1)
+    settings = settings_for(fleet.urls, server={"max_body_bytes": 65536})
+    async with run_gateway(settings) as g:
+        await g.wait_healthy(1)
+        before = await worker_metrics(fleet.urls[0])
+        async with httpx.AsyncClient() as c:
+            r = await c.post(
+                g.url + "/v1/chat/completions",
+                content=content,
+                headers={"content-type": "application/json", **headers},
+            )
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        after = await worker_metrics(fleet.urls[0])
+    key = 'vllm:prompt_tokens_total{engine="0",model_name="sim-llama"}'
+    assert after.get(key, 0) == before.get(key, 0)

@@ -1,0 +1,75 @@
+from pathlib import Path
+
+import pytest
+
+from workers.vllm_metrics import parse_vllm_metrics
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32" / "metrics.txt"
+
+# Two data-parallel engines: counts add up, KV usage is their mean.
+CURRENT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="4096",prefix_caching_hash_algo="sha256"} 1.0
+"""
+
+OLD = """\
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.8
+# TYPE vllm:gpu_prefix_cache_queries_total counter
+vllm:gpu_prefix_cache_queries_total{model_name="m"} 10.0
+# TYPE vllm:gpu_prefix_cache_hits_total counter
+vllm:gpu_prefix_cache_hits_total{model_name="m"} 5.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 1.0
+"""
+
+
+def test_current_names_summed_over_engines() -> None:
+    m = parse_vllm_metrics(CURRENT)
+    assert (m.running, m.waiting) == (5, 4)
+    assert m.kv_usage == pytest.approx(0.375)
+    assert (m.block_size, m.num_blocks) == (16, 4096)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits, m.preemptions) == (1000, 640, 7)
+
+
+def test_removed_gpu_names_are_a_fallback_for_old_servers() -> None:
+    m = parse_vllm_metrics(OLD)
+    assert m.kv_usage == pytest.approx(0.8)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits, m.running) == (10, 5, 1)
+    assert m.block_size is None
+
+
+def test_non_vllm_text_yields_empty_state() -> None:
+    m = parse_vllm_metrics("# TYPE up gauge\nup 1\n")
+    assert (m.running, m.kv_usage, m.num_blocks) == (0, 0.0, None)
+
+
+def test_recorded_vllm_032_metrics_parse() -> None:
+    text = FIXTURE.read_text()
+    m = parse_vllm_metrics(text)
+    assert m.block_size and m.block_size % 16 == 0
+    assert m.num_blocks and m.num_blocks > 0
+    assert 0.0 <= m.kv_usage <= 1.0

@@ -1,0 +1,76 @@
+"""vLLM's Prometheus text -> the few numbers routing needs.
+
+Parsed with `prometheus_client.parser` (never by hand). Current names first (vLLM >= 0.12), the
+removed `gpu_*` names only as a fallback for older servers. Every series is summed over the
+`engine` label (data-parallel ranks) and over models, so a server reads as one worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerMetrics:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # 0..1
+    block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_cache_queries: float = 0.0  # tokens, cumulative
+    prefix_cache_hits: float = 0.0  # tokens, cumulative
+    preemptions: float = 0.0
+
+
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+
+
+def parse_vllm_metrics(text: str) -> WorkerMetrics:
+    sums: dict[str, float] = {}
+    kv_samples: dict[str, list[float]] = {}
+    block_size: int | None = None
+    num_blocks: int | None = None
+    for family in text_string_to_metric_families(text):
+        name = family.name
+        if name == "vllm:cache_config_info":
+            for s in family.samples:
+                bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
+                if bs and bs.isdigit():
+                    block_size = int(bs)
+                if nb and nb.isdigit():
+                    num_blocks = (num_blocks or 0) + int(nb)
+            continue
+        if not name.startswith("vllm:"):
+            continue
+        for s in family.samples:
+            # Counters come back as family "x" with samples "x_total"; skip "_created".
+            if s.name.endswith("_created"):
+                continue
+            if name in _KV:
+                kv_samples.setdefault(name, []).append(s.value)
+            else:
+                sums[name] = sums.get(name, 0.0) + s.value
+    kv = next((kv_samples[n] for n in _KV if n in kv_samples), [])
+
+    def first(names: tuple[str, ...]) -> float:
+        return next((sums[n] for n in names if n in sums), 0.0)
+
+    return WorkerMetrics(
+        running=int(sums.get("vllm:num_requests_running", 0)),
+        waiting=int(sums.get("vllm:num_requests_waiting", 0)),
+        # Data-parallel ranks each report their own fraction: the worker is as full as their mean.
+        kv_usage=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else 0.0,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        prefix_cache_queries=first(_QUERIES),
+        prefix_cache_hits=first(_HITS),
+        preemptions=sums.get("vllm:num_preemptions", 0.0),
+    )
