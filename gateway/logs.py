@@ -47,5 +47,7 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
         root.addHandler(handler)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.setLevel(level.upper())
-    # Uvicorn's access log duplicates our request line.
+    # Uvicorn's access log duplicates our request line; probe and file-watch chatter is noise.
     logging.getLogger("uvicorn.access").disabled = True
+    for noisy in ("httpx", "httpcore", "watchfiles"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

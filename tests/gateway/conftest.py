@@ -157,3 +157,76 @@ async def run_gateway(settings: Settings, config_path: Any = None) -> AsyncItera
         server.should_exit = True
         await task
         sock.close()
+
+
+# A scripted worker: fixed SSE bytes cut at awkward places, to prove the relay is byte-exact.
+SCRIPTED_EVENTS = [
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n',
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":[{"index":0,"delta":{"content":" caf\xc3\xa9 \\"usage\\"\\n\\n"},"logprobs":null,"finish_reason":null}]}\n\n',
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":[{"index":0,"delta":{"content":" ok"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
+    b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"sim-llama","choices":[],"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0}}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+def scripted_fragments() -> list[bytes]:
+    """The events re-cut into fragments of 1, 7, 50, 3, ... bytes (crossing every boundary)."""
+    data = b"".join(SCRIPTED_EVENTS)
+    sizes = [1, 7, 50, 3, 200, 2, 90, 1, 400]
+    out, i, k = [], 0, 0
+    while i < len(data):
+        n = sizes[k % len(sizes)]
+        out.append(data[i : i + n])
+        i += n
+        k += 1
+    return out
+
+
+def scripted_app(received: list[bytes]) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request: Request) -> Response:
+        received.append(await request.body())
+
+        async def gen() -> AsyncIterator[bytes]:
+            for frag in scripted_fragments():
+                yield frag
+                await asyncio.sleep(0.001)
+
+        return StreamingResponse(gen(), media_type="text/event-stream; charset=utf-8")
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+
+
+@contextlib.asynccontextmanager
+async def run_scripted_worker() -> AsyncIterator[tuple[str, list[bytes]]]:
+    received: list[bytes] = []
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(
+        uvicorn.Config(scripted_app(received), log_config=None, access_log=False, lifespan="off")
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:  # noqa: ASYNC110 (uvicorn exposes a flag, not an event)
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import re
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from tests.gateway.conftest import MODEL, flat_metrics, run_gateway, settings_for
+from tests.gateway.conftest import (
+    MODEL,
+    SCRIPTED_EVENTS,
+    flat_metrics,
+    run_gateway,
+    run_scripted_worker,
+    settings_for,
+)
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about KV caches."}]}
 
@@ -83,34 +89,41 @@ async def test_openai_client_streams_and_non_streams_through_the_gateway(sims) -
         assert [m.id for m in models.data] == [MODEL]
 
 
-async def test_sse_bytes_are_the_workers_bytes(sims) -> None:  # type: ignore[no-untyped-def]
+async def test_sse_bytes_are_the_workers_bytes_across_odd_chunk_boundaries() -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with run_scripted_worker() as (url, received), run_gateway(settings_for([url])) as g:
+        await g.wait_healthy(1)
+        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "same-id"})
+    assert via.status_code == 200
+    assert via.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert via.headers["x-request-id"] == "same-id"
+    assert via.content == b"".join(SCRIPTED_EVENTS)
+    assert orjson.loads(received[0]) == body  # asked for usage: forwarded untouched
+
+
+async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_ask() -> None:
+    body = {**CHAT, "stream": True}
+    async with run_scripted_worker() as (url, received), run_gateway(settings_for([url])) as g:
+        await g.wait_healthy(1)
+        via = await post(g.url + "/v1/chat/completions", body)
+    sent = orjson.loads(received[0])
+    assert sent["stream_options"] == {"include_usage": True}
+    expected = b"".join(e for e in SCRIPTED_EVENTS if b'"choices":[],"usage"' not in e)
+    assert via.content == expected
+
+
+async def test_sim_stream_through_gateway_has_vllm_framing(sims) -> None:  # type: ignore[no-untyped-def]
     fleet = sims(1)
     body = {**CHAT, "stream": True, "max_tokens": 16, "stream_options": {"include_usage": True}}
     async with run_gateway(settings_for(fleet.urls)) as g:
         await g.wait_healthy(1)
-        direct = await post(
-            fleet.urls[0] + "/v1/chat/completions", body, headers={"x-request-id": "same-id"}
-        )
-        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "same-id"})
-    assert via.headers["content-type"] == direct.headers["content-type"]
-    assert via.headers["x-request-id"] == "same-id"
-    norm = lambda b: re.sub(rb'"created":\d+', b'"created":0', b)  # noqa: E731
-    assert norm(via.content) == norm(direct.content)
-    assert via.content.endswith(b"data: [DONE]\n\n") and b'"usage"' in via.content
-
-
-async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_ask(sims) -> None:  # type: ignore[no-untyped-def]
-    fleet = sims(1)
-    body = {**CHAT, "stream": True, "max_tokens": 4}
-    async with run_gateway(settings_for(fleet.urls)) as g:
-        await g.wait_healthy(1)
-        direct = await post(
-            fleet.urls[0] + "/v1/chat/completions", body, headers={"x-request-id": "r1"}
-        )
-        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "r1"})
-    norm = lambda b: re.sub(rb'"created":\d+', b'"created":0', b)  # noqa: E731
-    assert norm(via.content) == norm(direct.content)
-    assert b'"usage"' not in via.content
+        via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "rid-1"})
+    events = via.content.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    docs = [orjson.loads(e[6:]) for e in events[:-2]]
+    assert all(d["id"] == "chatcmpl-rid-1" for d in docs)
+    assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert docs[-1]["usage"]["completion_tokens"] == 16
 
 
 async def test_unknown_model_404_and_no_healthy_worker_503(sims) -> None:  # type: ignore[no-untyped-def]
