@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from workers.sim.profiles import TimingProfile, get_profile
@@ -167,11 +167,17 @@ class _Req:
 class Engine:
     """One simulated vLLM engine core: V1 scheduler + KV cache manager + a timing model.
 
-    KV blocks are not materialised one by one: the pool is `fresh` never-used blocks, a refcount
-    per cached block hash, and one ordered "free queue" (`_evictable`) holding every free block
-    that was used before, oldest first. A freed block keeps its hash (stays reusable) until an
-    allocation pops it from the front, as in vLLM's FreeKVCacheBlockQueue; unhashed free blocks sit
-    in the same queue under unique negative keys, so eviction order matches vLLM's when they mix.
+    KV blocks are not materialised one by one. The pool is `fresh` never-used blocks, the
+    blocks held by live requests, and one "free queue" of every free block that was used before,
+    oldest first, as in vLLM's FreeKVCacheBlockQueue: a freed block keeps its hash (stays reusable)
+    until an allocation pops it from the front (LRU eviction), and unhashed free blocks (None)
+    sit in the same queue, so eviction order matches vLLM's when the two kinds mix.
+
+    `_cached` maps each reusable block hash to its refcount (> 0) or, while free, to -(p + 1)
+    where p is its position in the free queue. Reviving a free block just overwrites that value;
+    its queue entry goes stale and is skipped when the front reaches it. This keeps every
+    operation to plain dict and deque calls that can be done in bulk: a replayed trace moves
+    millions of blocks through the queue.
     """
 
     def __init__(self, config: EngineConfig | None = None, profile: TimingProfile | None = None):
@@ -189,9 +195,10 @@ class Engine:
         self._running: list[_Req] = []
         self._fresh = c.num_blocks
         self._num_used = 0
-        self._cached: dict[int, int] = {}  # block hash -> number of live requests using it
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._anon = 0  # counter for the negative keys of free unhashed blocks
+        self._cached: dict[int, int] = {}  # block hash -> refcount, or -(queue position + 1)
+        self._queue: deque[int | None] = deque()  # the free queue, stale entries included
+        self._qhead = 0  # position of _queue[0]
+        self._num_queued = 0  # live (non-stale) entries in the free queue
         self._events: list[KVEvent] | None = [] if c.enable_kv_events else None
         self._stats = EngineStats()
 
@@ -374,10 +381,48 @@ class Engine:
             return False
         self._fresh = self.config.num_blocks
         self._cached.clear()
-        self._evictable.clear()
+        self._queue.clear()
+        self._qhead = 0
+        self._num_queued = 0
         if self._events is not None:
             self._events.append(KVEvent("AllBlocksCleared"))
         return True
+
+    def check_consistency(self) -> None:
+        """Recount the block pool from the live requests and raise if the books disagree.
+
+        O(blocks); for tests and debugging, where a leaked or double-freed block would otherwise
+        only surface much later as a wrong hit rate.
+        """
+        refs: dict[int, int] = {}
+        anon = 0
+        for r in self._running:
+            for key in r.blocks:
+                if key is None:
+                    anon += 1
+                else:
+                    refs[key] = refs.get(key, 0) + 1
+        for r in self._waiting:
+            if r.blocks:
+                raise AssertionError(f"waiting request {r.rid} holds blocks")
+        live = {k: v for k, v in self._cached.items() if v > 0}
+        if live != refs:
+            raise AssertionError("cached refcounts disagree with the running requests' blocks")
+        if self._num_used != len(refs) + anon:
+            raise AssertionError(f"num_used {self._num_used} != {len(refs) + anon} held blocks")
+        idle_cached = {k for k, v in self._cached.items() if v < 0}
+        queued = [
+            key
+            for pos, key in enumerate(self._queue, self._qhead)
+            if key is None or self._cached.get(key) == -(pos + 1)
+        ]
+        if idle_cached != {k for k in queued if k is not None}:
+            raise AssertionError("free cached blocks and the free queue disagree")
+        if len(queued) != self._num_queued:
+            raise AssertionError(f"{len(queued)} live queue entries, expected {self._num_queued}")
+        total = self._fresh + self._num_queued + self._num_used
+        if total != self.config.num_blocks:
+            raise AssertionError(f"{total} blocks accounted for, expected {self.config.num_blocks}")
 
     # ---- KV cache manager -----------------------------------------------------------------------
 
@@ -407,17 +452,44 @@ class Engine:
         off = start - (r.prompt_len // bs) * bs
         return r.tail[off : off + bs]
 
-    def _alloc_block(self) -> None:
-        """Take one block: a never-used one first, else the head of the free queue (LRU evict)."""
-        if self._fresh:
-            self._fresh -= 1
+    def _alloc_blocks(self, n: int, blocks: list[int | None]) -> None:
+        """Append n new private blocks: never-used ones first, then the free queue's head (LRU).
+
+        The caller has checked that n blocks are free.
+        """
+        fresh = self._fresh
+        if fresh >= n:
+            self._fresh = fresh - n
         else:
-            key, _ = self._evictable.popitem(last=False)
-            if key >= 0:
-                del self._cached[key]
-                if self._events is not None:
-                    self._events.append(KVEvent("BlockRemoved", [key]))
-        self._num_used += 1
+            self._fresh = 0
+            self._pop_free(n - fresh)
+        self._num_used += n
+        blocks += [None] * n
+
+    def _pop_free(self, n: int) -> None:
+        """Take n live entries off the front of the free queue, evicting the cached ones."""
+        queue = self._queue
+        popleft = queue.popleft
+        cached = self._cached
+        evicted: list[int] = []
+        self._num_queued -= n
+        while n:
+            head = self._qhead
+            chunk = [popleft() for _ in range(min(n, len(queue)))]
+            self._qhead = head + len(chunk)
+            stamps = range(-head - 1, -head - 1 - len(chunk), -1)
+            # A hashed entry is live only if the block is still free since that very free.
+            hit = [
+                k
+                for k, st in zip(chunk, stamps, strict=True)
+                if k is not None and cached.get(k) == st
+            ]
+            n -= len(hit) + chunk.count(None)
+            evicted += hit
+        if evicted:  # cached blocks: their reuse ends here
+            deque(map(cached.__delitem__, evicted), maxlen=0)
+            if self._events is not None:
+                self._events.append(KVEvent("BlockRemoved", evicted))
 
     def _register(self, r: _Req, upto: int) -> None:
         """Publish the request's newly full blocks [num_registered, upto) in the prefix cache.
@@ -428,22 +500,34 @@ class Engine:
         """
         cached = self._cached
         blocks = r.blocks
-        events = self._events
-        stored: list[int] = []
+        hashes = r.hashes
         start = r.num_registered
+        r.num_registered = upto
+        if upto > len(hashes):  # blocks that end in generated tokens: extend the chain
+            self._block_hash(r, upto - 1)
+        if self._events is None:
+            new = hashes[start:upto]
+            if cached.keys().isdisjoint(new):  # the common case, done in bulk
+                cached.update(dict.fromkeys(new, 1))
+                blocks[start:upto] = new
+                return
+            for k in range(start, upto):
+                h = hashes[k]
+                if h not in cached:
+                    cached[h] = 1
+                    blocks[k] = h
+            return
+        stored: list[int] = []
         for k in range(start, upto):
-            h = self._block_hash(r, k)
+            h = hashes[k]
             if h in cached:
-                if events is not None and stored:
+                if stored:
                     self._emit_stored(r, k - len(stored), stored)
                     stored = []
                 continue
             cached[h] = 1
             blocks[k] = h
-            if events is not None:
-                stored.append(h)
-        if upto > start:
-            r.num_registered = upto
+            stored.append(h)
         if stored:
             self._emit_stored(r, upto - len(stored), stored)
 
@@ -462,10 +546,8 @@ class Engine:
         need = -(-end // bs) - len(r.blocks)
         if need > self.config.num_blocks - self._num_used:
             return False
-        blocks = r.blocks
-        for _ in range(need):
-            self._alloc_block()
-            blocks.append(None)
+        if need > 0:
+            self._alloc_blocks(need, r.blocks)
         if self._caching and end // bs > r.num_registered:
             self._register(r, end // bs)
         return True
@@ -475,7 +557,7 @@ class Engine:
         bs = self._bs
         cached = self._cached
         matched = 0
-        revived = 0  # matched blocks now sitting in the free queue (they leave it when touched)
+        revived = 0  # matched blocks now in the free queue (they leave it when touched)
         if self._caching:
             limit = min((r.num_tokens - 1) // bs, len(r.hashes))
             hashes = r.hashes
@@ -483,7 +565,7 @@ class Engine:
                 rc = cached.get(hashes[matched])
                 if rc is None:
                     break
-                if not rc:
+                if rc < 0:
                     revived += 1
                 matched += 1
         computed = matched * bs
@@ -494,20 +576,20 @@ class Engine:
         need = -(-end // bs) - matched
         if need + revived > self.config.num_blocks - self._num_used:
             return 0
-        evictable = self._evictable
-        blocks: list[int | None] = []
-        for h in r.hashes[:matched]:
-            rc = cached[h]
-            if not rc:
-                del evictable[h]
-                self._num_used += 1
-            cached[h] = rc + 1
-            blocks.append(h)
+        blocks: list[int | None] = r.hashes[:matched]
+        if revived:
+            for h in blocks:
+                rc = cached[h]
+                cached[h] = 1 if rc < 0 else rc + 1
+            self._num_used += revived
+            self._num_queued -= revived
+        else:
+            for h in blocks:
+                cached[h] += 1
         r.blocks = blocks
         r.num_registered = matched
-        for _ in range(need):
-            self._alloc_block()
-            blocks.append(None)
+        if need > 0:
+            self._alloc_blocks(need, blocks)
         r.num_computed = computed
         if self._caching and end // bs > matched:
             self._register(r, end // bs)
@@ -518,24 +600,41 @@ class Engine:
         return n
 
     def _free(self, r: _Req) -> None:
-        """Release a request's blocks, tail first, so its last blocks are the first evicted."""
+        """Release a request's blocks, tail first, so its last blocks are the first evicted.
+
+        Blocks only this request used join the free queue (hashed ones stay reusable there);
+        shared ones just lose a reference.
+        """
         cached = self._cached
-        evictable = self._evictable
-        released = 0
-        for key in reversed(r.blocks):
-            if key is None:
-                self._anon -= 1
-                evictable[self._anon] = None
-                released += 1
-            else:
-                rc = cached[key] - 1
-                cached[key] = rc
-                if not rc:
-                    evictable[key] = None
-                    released += 1
-        self._num_used -= released
+        rev = r.blocks[::-1]
+        released = [k for k in rev if k is None or cached[k] == 1]
+        if len(released) != len(rev):
+            for k in rev:
+                if k is not None and cached[k] > 1:
+                    cached[k] -= 1
+        queue = self._queue
+        start = self._qhead + len(queue)
+        queue += released
+        cached.update({k: -p for p, k in enumerate(released, start + 1) if k is not None})
+        self._num_used -= len(released)
+        self._num_queued += len(released)
         r.blocks = []
         r.num_registered = 0
+        if len(queue) > 2 * self._num_queued + 4096:
+            self._compact_queue()
+
+    def _compact_queue(self) -> None:
+        """Drop stale entries (blocks revived since they were freed) so the queue stays bounded."""
+        cached = self._cached
+        live = [
+            k
+            for pos, k in enumerate(self._queue, self._qhead)
+            if k is None or cached.get(k) == -(pos + 1)
+        ]
+        start = self._qhead + len(self._queue)
+        self._queue = deque(live)
+        self._qhead = start
+        cached.update({k: -p for p, k in enumerate(live, start + 1) if k is not None})
 
     def _preempt(self, r: _Req) -> None:
         """Recompute-style preemption: drop the KV, requeue at the head, keep generated tokens."""
@@ -553,6 +652,8 @@ class Engine:
         decode_seqs = 0
         finished = False
         stats = self._stats
+        # KV usage while the step runs: blocks of requests finishing in it are still held.
+        kv_usage = self._num_used / self.config.num_blocks
         for r, n in scheduled:
             r.num_computed += n
             if r.num_computed < r.num_tokens:  # a prefill chunk that does not reach the end
@@ -591,9 +692,7 @@ class Engine:
         if finished:
             self._running = [r for r in self._running if r.rid in self._requests]
         if scheduled:
-            duration = self.profile.step_seconds(
-                prefill_tokens, decode_seqs, self._num_used / self.config.num_blocks
-            )
+            duration = self.profile.step_seconds(prefill_tokens, decode_seqs, kv_usage)
         else:  # cannot happen for validated requests; never let a caller's clock stand still
             duration = max(self.profile.floor_ms, 1.0) / 1000.0
         return StepOutput(duration, outputs, prefill_tokens, decode_seqs, num_preempted)
