@@ -58,6 +58,18 @@ async def _serve(settings: Settings, config_path: Path | None, on_ready=None) ->
     await task
 
 
+def run_async(coro) -> None:  # type: ignore[no-untyped-def]
+    """Run on uvloop when installed: it roughly halves the event loop's share of each request."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(coro)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _load(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
@@ -66,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             update={"server": settings.server.model_copy(update=overrides)}
         )
     setup_logging(settings.logging.level, settings.logging.format)
-    asyncio.run(_serve(settings, Path(args.config)))
+    run_async(_serve(settings, Path(args.config)))
     return 0
 
 
@@ -123,7 +135,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.05)
             print(_banner(base, args.model, len(settings.workers)), flush=True)
 
-        asyncio.run(_serve(settings, Path(args.config), on_ready=ready))
+        run_async(_serve(settings, Path(args.config), on_ready=ready))
     except KeyboardInterrupt:
         pass
     finally:
