@@ -29,7 +29,7 @@ from gateway.config import ConfigWatcher, Settings, WorkerSettings, load_setting
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.logs import setup_logging
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import Call, Proxy, Timeouts
+from gateway.proxy import Call, Proxy
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
 from scoring.policy import Policy, RouteRequest, make_policy
@@ -96,14 +96,8 @@ class Gateway:
             self.upstream,
             self.metrics,
             policy=lambda: self.policy,
-            timeouts=lambda: Timeouts(
-                self.settings.timeouts.first_byte_s,
-                self.settings.timeouts.idle_s,
-                self.settings.timeouts.total_s,
-            ),
-            max_attempts=lambda: self.settings.retries.max_attempts,
+            settings=lambda: self.settings,
             on_passive_failure=self._on_passive_failure,
-            debug_headers=lambda: self.settings.server.debug_headers,
         )
         self.prober.sync()
         if self.config_path is not None:

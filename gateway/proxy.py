@@ -25,6 +25,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.config import Settings, TimeoutSettings
 from gateway.errors import APIError, no_capacity, sse_error_event
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import (
@@ -85,13 +86,6 @@ class Call:
     outcome: str = ""  # ok | upstream_error | client_disconnect | stream_error | ...
 
 
-@dataclass(slots=True)
-class Timeouts:
-    first_byte_s: float
-    idle_s: float
-    total_s: float
-
-
 class Proxy:
     def __init__(
         self,
@@ -100,27 +94,24 @@ class Proxy:
         metrics: GatewayMetrics,
         *,
         policy: Callable[[], Policy],
-        timeouts: Callable[[], Timeouts],
-        max_attempts: Callable[[], int],
+        settings: Callable[[], Settings],
         on_passive_failure: Callable[[str], None] = lambda name: None,
-        debug_headers: Callable[[], bool] = lambda: False,
     ) -> None:
         self.registry = registry
         self.client = client
         self.metrics = metrics
         self._policy = policy
-        self._timeouts = timeouts
-        self._max_attempts = max_attempts
+        self._settings = settings
         self._on_passive_failure = on_passive_failure
-        self._debug_headers = debug_headers
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call) -> Response:
-        t = self._timeouts()
+        settings = self._settings()
+        t = settings.timeouts
         deadline = call.t_start + t.total_s
         tried: set[str] = set()
         last_error: APIError | None = None
-        max_attempts = self._max_attempts()
+        max_attempts = settings.retries.max_attempts
         policy = self._policy()
         while call.attempts < max_attempts:
             cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
@@ -131,7 +122,9 @@ class Proxy:
             tried.add(worker.name)
             call.attempts += 1
             if call.attempts > 1:
-                self.metrics.retries.labels(last_error.code if last_error else "unknown").inc()
+                self.metrics.child(
+                    self.metrics.retries, last_error.code if last_error else "unknown"
+                ).inc()
             self._acquire(worker)
             handed_off = False
             try:
@@ -143,7 +136,7 @@ class Proxy:
                     continue
                 call.worker = worker.name
                 call.status = resp.status
-                headers = self._headers(call, worker.name, decision.reason)
+                headers = self._headers(call, worker.name, decision.reason, settings)
                 if resp.status != 200 or not call.stream:
                     return await self._whole(call, worker, resp, headers, t, deadline)
                 first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
@@ -220,7 +213,7 @@ class Proxy:
         worker: Worker,
         resp: UpstreamResponse,
         headers: dict[str, str],
-        t: Timeouts,
+        t: TimeoutSettings,
         deadline: float,
     ) -> Response:
         try:
@@ -240,19 +233,19 @@ class Proxy:
         headers["content-type"] = resp.headers.get("content-type", "application/json")
         return Response(body, resp.status, headers=headers)
 
-    def _headers(self, call: Call, worker: str, reason: str) -> dict[str, str]:
+    def _headers(self, call: Call, worker: str, reason: str, settings: Settings) -> dict[str, str]:
         h = {"x-request-id": call.request_id, "x-kvgate-worker": worker}
-        if self._debug_headers():
+        if settings.server.debug_headers:
             h["x-kvgate-route"] = f"reason={reason};attempts={call.attempts}"
         return h
 
     def _acquire(self, worker: Worker) -> None:
         worker.in_flight += 1
-        self.metrics.in_flight.labels(worker.name).set(worker.in_flight)
+        self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
 
     def _release(self, worker: Worker) -> None:
         worker.in_flight -= 1
-        self.metrics.in_flight.labels(worker.name).set(worker.in_flight)
+        self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
 
     def _fail(self, worker: Worker, error: str) -> None:
         log.warning("worker %s failed before first byte: %s", worker.name, error)
@@ -262,11 +255,12 @@ class Proxy:
     def finish(self, call: Call) -> None:
         """Record one finished request: metrics and the structured log line."""
         e2e = time.perf_counter() - call.t_start
-        self.metrics.requests.labels(call.model, call.worker or "-", str(call.status)).inc()
-        self.metrics.e2e.labels(call.model).observe(e2e)
+        m = self.metrics
+        m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
+        m.child(m.e2e, call.model).observe(e2e)
         if call.ttft is not None and call.status == 200:
-            self.metrics.ttft.labels(call.model).observe(call.ttft)
-        if reqlog.isEnabledFor(logging.INFO):
+            m.child(m.ttft, call.model).observe(call.ttft)
+        if self._settings().logging.requests and reqlog.isEnabledFor(logging.INFO):
             u = call.usage
             reqlog.info(
                 "request",
@@ -307,7 +301,7 @@ class RelayResponse(Response):
         resp: UpstreamResponse,
         first: tuple[AsyncIterator[bytes], bytes],
         headers: dict[str, str],
-        timeouts: Timeouts,
+        timeouts: TimeoutSettings,
         deadline: float,
     ) -> None:
         self.status_code = 200
@@ -324,20 +318,33 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self._call
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            me.cancel()
+
+        # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
+        # the watcher cancels it the moment the client leaves.
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not pump.done():
+            await self._pump(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            me.uncancel()
+        except OSError:  # the socket died under a send
+            gone = True
+        finally:
+            watcher.cancel()
+            if gone:
                 call.outcome = "client_disconnect"
                 self._proxy.metrics.client_disconnects.inc()
-                pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await pump
-        finally:
-            watch.cancel()
-            if not pump.done():
-                pump.cancel()
             if self._done:
                 await self._resp.release()
             else:
@@ -356,7 +363,8 @@ class RelayResponse(Response):
         pending = b""
         chunk = self._first
         idle = self._t.idle_s
-        inter_event = self._proxy.metrics.inter_event.labels(call.model)
+        m = self._proxy.metrics
+        inter_event = m.child(m.inter_event, call.model)
         last = time.perf_counter()
         try:
             while True:
@@ -425,13 +433,6 @@ class RelayResponse(Response):
                     continue
             kept.append(ev)
         return b"\n\n".join(kept)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
 
 
 async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
