@@ -11,10 +11,12 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,14 +27,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.config import ConfigWatcher, Settings, WorkerSettings, load_settings
+from gateway.config import ConfigWatcher, RoutingSettings, Settings, WorkerSettings, load_settings
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.logs import setup_logging
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Call, Proxy
+from gateway.quota_gate import QuotaGate, Ticket
+from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens
 from gateway.upstream import UpstreamClient, make_upstream
+from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
-from scoring.policy import Policy, RouteRequest, make_policy
+from scoring.policy import Policy, RoutingState, make_policy, route_request, session_id_from
+from scoring.views import RoutingOptions, Weights
 from workers.probe import Prober
 from workers.registry import Health, Registry, Worker, WorkerSpec
 
@@ -62,7 +68,13 @@ class Gateway:
             backoff_initial_s=p.backoff_initial_s,
             backoff_max_s=p.backoff_max_s,
         )
-        self.policy: Policy = make_policy(settings.routing.policy)
+        self.routing_options = RoutingOptions(**settings.routing.options)
+        self.routing_state = RoutingState(self.routing_options)
+        self.policy: Policy = self._make_policy(settings.routing)
+        self.tenants = Tenants(settings)
+        self.quota = QuotaGate(settings.quota, self.metrics)
+        self.usage: UsageSink = NullSink()
+        self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
         self.probe_client: httpx.AsyncClient | None = None
         self.prober: Prober | None = None
@@ -70,9 +82,25 @@ class Gateway:
         self.watcher: ConfigWatcher | None = None
         self.started_at = time.time()
 
+    def _make_policy(self, r: RoutingSettings) -> Policy:
+        return make_policy(
+            r.policy,
+            weights=Weights(**r.weights.model_dump()),
+            options=self.routing_options,
+            state=self.routing_state,
+        )
+
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        if s.quota.backend == "redis":
+            self.usage = RedisStreamSink(
+                self.quota.shared.client,  # type: ignore[attr-defined]
+                s.quota.usage_stream,
+                s.quota.usage_stream_maxlen,
+            )
+        elif s.quota.usage_file:
+            self.usage = JsonlSink(s.quota.usage_file)
         self.upstream = make_upstream(
             s.upstream.client,
             connect_s=s.timeouts.connect_s,
@@ -98,6 +126,7 @@ class Gateway:
             policy=lambda: self.policy,
             settings=lambda: self.settings,
             on_passive_failure=self._on_passive_failure,
+            on_finish=self._settle,
         )
         self.prober.sync()
         if self.config_path is not None:
@@ -113,6 +142,8 @@ class Gateway:
             await self.prober.stop()
         if self.upstream:
             await self.upstream.close()
+        await self.usage.close()
+        await self.quota.close()
         if self.probe_client:
             await self.probe_client.aclose()
 
@@ -122,9 +153,17 @@ class Gateway:
         for section in ("server", "upstream"):
             if getattr(old, section) != getattr(new, section):
                 log.warning("[%s] changed: takes effect after a restart", section)
+        if new.quota != old.quota:
+            log.warning("[quota] changed: takes effect after a restart")
         self.settings = new
-        if new.routing.policy != old.routing.policy:
-            self.policy = make_policy(new.routing.policy)
+        r = new.routing
+        if r.options != old.routing.options:
+            self.routing_options = RoutingOptions(**r.options)
+        if r.policy != old.routing.policy or r.options != old.routing.options:
+            self.policy = self._make_policy(r)  # same RoutingState: the index survives
+        elif r.weights != old.routing.weights:
+            self.policy.set_weights(Weights(**r.weights.model_dump()))
+        self.tenants = Tenants(new)
         p = new.probes
         r = self.registry
         r.unhealthy_after, r.healthy_after = p.unhealthy_after, p.healthy_after
@@ -139,6 +178,7 @@ class Gateway:
         added, removed = self.registry.sync(specs)
         for name in removed:
             self.metrics.forget_worker(name, [h.value for h in Health])
+            self.policy.on_worker_removed(name)
         if added or removed:
             log.info("fleet changed: added %s, removed %s", added, removed)
         if self.prober:
@@ -175,26 +215,61 @@ class Gateway:
         if not _RID_OK.match(rid):
             rid = uuid.uuid4().hex
         t0 = time.perf_counter()
+        ticket: Ticket | None = None
+        settings = self.settings
         try:
-            raw = await read_body(request, self.settings.server.max_body_bytes)
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            raw = await read_body(request, settings.server.max_body_bytes)
             req = parse_request(path, raw)
-            if not self.registry.candidates(req.model):
-                if self.registry.knows_model(req.model) or not self.registry.healthy():
-                    raise no_capacity(f"no healthy worker is serving model `{req.model}`")
-                raise model_not_found(req.model)
+            data, model = req.data, req.model
+            is_chat = path == CHAT
+            opts = self.routing_options
+            prompt_est = estimate_prompt_tokens(is_chat, data, opts.chars_per_token)
+            max_out = 0
+            if self.tenants.enabled:
+                max_out, changed = apply_caps(tenant, model, data, prompt_est)
+                req.modified |= changed
+            if not self.registry.candidates(model):
+                if self.registry.knows_model(model) or not self.registry.healthy():
+                    raise no_capacity(f"no healthy worker is serving model `{model}`")
+                raise model_not_found(model)
+            policy = self.policy
+            salt = data.get("cache_salt")
+            route = route_request(
+                "chat" if is_chat else "completion",
+                data,
+                model=model,
+                namespace=tenant.namespace,
+                cache_salt=salt if isinstance(salt, str) else None,
+                tenant_priority=tenant.priority,
+                session_id=session_id_from(request.headers, data, settings.routing.session_header),
+                request_id=rid,
+                options=opts,
+                hash_prefix=getattr(policy, "needs_chain", False),
+            )
+            if self.tenants.enabled:
+                ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
             call = Call(
                 request_id=rid,
-                model=req.model,
+                model=model,
                 path=path,
-                body=req.body,
+                body=orjson.dumps(data) if req.modified else raw,
                 stream=req.stream,
                 client_wants_usage=req.client_wants_usage,
-                route=RouteRequest(model=req.model, request_id=rid),
+                route=route,
                 t_start=t0,
+                pool_ok=self._split(model),
+                ctx=_Ctx(tenant, ticket, prompt_est),
             )
             assert self.proxy is not None
-            return await self.proxy.forward(call)
+            resp = await self.proxy.forward(call)
+            if ticket is not None and ticket.admission is not None:
+                resp.headers.update(ticket.admission.headers())
+            return resp
         except APIError as e:
+            if ticket is not None:
+                # No worker produced anything: not the tenant's doing, refund it all.
+                await self.quota.release(ticket, refund_all=True)
             self.metrics.rejected.labels(str(e.status)).inc()
             log.info(
                 "rejected",
@@ -208,6 +283,64 @@ class Gateway:
                 },
             )
             return e.response({"x-request-id": rid})
+
+    def _split(self, model: str) -> Callable[[Worker], bool] | None:
+        """Canary splits: this request's pool, drawn once so retries stay in it when they can."""
+        splits = [sp for sp in self.settings.routing.splits if sp.model in ("*", model)]
+        if not splits:
+            return None
+        r = self._rng.random()
+        acc = 0.0
+        for sp in splits:
+            acc += sp.share
+            if r < acc:
+                want = sp.labels
+                return lambda w: all(w.spec.labels.get(k) == v for k, v in want.items())
+        others = [sp.labels for sp in splits]
+        return lambda w: (
+            not any(all(w.spec.labels.get(k) == v for k, v in lab.items()) for lab in others)
+        )
+
+    async def _settle(self, call: Call) -> None:
+        """Charge the tenant for what really happened, exactly once, and write the usage record."""
+        ctx: _Ctx | None = call.ctx
+        if ctx is None:
+            return
+        u = call.usage
+        charged = 0
+        t = ctx.ticket
+        if u is not None:
+            discount = ctx.tenant.cfg.cached_token_discount
+            charged = u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens)
+            if t is not None:
+                await self.quota.settle(t, charged)
+        elif call.events > 0 and call.stream:
+            # Broken or abandoned stream: the prompt plus what was streamed (role/usage/[DONE]
+            # events are not tokens).
+            charged = ctx.prompt_estimate + max(0, call.events - 2)
+            if t is not None:
+                await self.quota.settle(t, charged)
+        elif t is not None:
+            # Nothing generated: an upstream 4xx is the client's request's fault (the attempt
+            # counts), anything else is not.
+            await self.quota.release(t, refund_all=not (400 <= call.status < 500))
+        await self.usage.write(
+            {
+                "request_id": call.request_id,
+                "tenant": ctx.tenant.name,
+                "model": call.model,
+                "worker": call.worker,
+                "status": call.status,
+                "outcome": call.outcome,
+                "prompt_tokens": u.prompt_tokens if u else None,
+                "cached_tokens": u.cached_tokens if u else None,
+                "completion_tokens": u.completion_tokens if u else None,
+                "charged_tokens": charged,
+                "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+                "duration_ms": round((time.perf_counter() - call.t_start) * 1000, 3),
+                "ts": round(time.time(), 3),
+            }
+        )
 
     async def models(self, request: Request) -> Response:
         cards = self.registry.served_models()
@@ -306,6 +439,13 @@ class Gateway:
             return JSONResponse({"reloaded": True})
         except APIError as e:
             return e.response()
+
+
+@dataclass(slots=True)
+class _Ctx:
+    tenant: Tenant
+    ticket: Ticket | None
+    prompt_estimate: int
 
 
 def _worker_doc(w: Worker) -> dict[str, object]:

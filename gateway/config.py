@@ -87,8 +87,52 @@ class RetrySettings(_Section):
     max_attempts: int = Field(3, ge=1, le=10)
 
 
+class WeightsSettings(_Section):
+    prefix: float = Field(0.45, ge=0)
+    queue: float = Field(0.25, ge=0)
+    kv: float = Field(0.20, ge=0)
+    tenant: float = Field(0.10, ge=0)
+    session: float = Field(0.15, ge=0)
+
+
+class SplitSettings(_Section):
+    # Model this split applies to ("*" = every model).
+    model: str = "*"
+    # Worker labels that make up the pool (all must match), e.g. { pool = "canary" }.
+    labels: dict[str, str] = Field(min_length=1)
+    # Share of the model's requests sent to the pool (the rest avoids it).
+    share: float = Field(gt=0, le=1)
+
+
 class RoutingSettings(_Section):
-    policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    policy: Literal["round_robin", "least_loaded", "prefix", "session", "kv_aware"] = "kv_aware"
+    # Header carrying the session id (else the body's `user` or `prompt_cache_key`).
+    session_header: str = "x-session-id"
+    weights: WeightsSettings = WeightsSettings()
+    # scoring.views.RoutingOptions fields (hashing, queue model, saturation, index, sessions).
+    options: dict[str, float] = Field(default_factory=dict)
+    splits: list[SplitSettings] = Field(default_factory=list)
+
+    @field_validator("options")
+    @classmethod
+    def _known_options(cls, v: dict[str, float]) -> dict[str, float]:
+        from scoring.views import RoutingOptions
+
+        try:
+            RoutingOptions(**v)  # negatives, NaN and wrong types fail here, with the name
+        except TypeError as e:  # an unknown name
+            raise ValueError(str(e).replace("RoutingOptions.__init__()", "routing.options")) from e
+        return v
+
+    @model_validator(mode="after")
+    def _split_shares(self) -> RoutingSettings:
+        per_model: dict[str, float] = {}
+        for sp in self.splits:
+            per_model[sp.model] = per_model.get(sp.model, 0.0) + sp.share
+        over = {m: t for m, t in per_model.items() if t > 1.0 + 1e-9}
+        if over:
+            raise ValueError(f"split shares add up to more than 1 for {sorted(over)}")
+        return self
 
 
 class UpstreamSettings(_Section):
@@ -96,6 +140,79 @@ class UpstreamSettings(_Section):
     client: Literal["aiohttp", "httpx"] = "aiohttp"
     max_connections: int = Field(1024, ge=1)
     keepalive_s: float = Field(30.0, gt=0)
+
+
+class ModelQuotaSettings(_Section):
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    burst_requests: int | None = Field(None, ge=1)
+    burst_tokens: int | None = Field(None, ge=1)
+
+
+class TenantSettings(_Section):
+    # sha256 hex digests of the tenant's API keys (`kvgate key` prints one); never the keys.
+    keys_sha256: list[str] = Field(default_factory=list)
+    # 0..1: higher is more latency-sensitive (routing weight, and first in line when saturated).
+    priority: float = Field(0.5, ge=0, le=1)
+    rpm: int | None = Field(None, ge=1)
+    # Input + output tokens per minute.
+    tpm: int | None = Field(None, ge=1)
+    burst_requests: int | None = Field(None, ge=1)
+    burst_tokens: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=0)
+    max_input_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    # Injected as max_tokens when a request has none (and the reservation uses it).
+    default_max_tokens: int = Field(512, ge=1)
+    # What a max_tokens above max_output_tokens gets: capped, or a 400.
+    over_max_output: Literal["cap", "reject"] = "cap"
+    # Model allowlist (LoRA adapter names are models); empty allows every served model.
+    models: list[str] = Field(default_factory=list)
+    # Per-model limits on top of the tenant's own.
+    model_limits: dict[str, ModelQuotaSettings] = Field(default_factory=dict)
+    # Own prefix-cache namespace and a cache_salt on every request: no KV reuse with others.
+    isolate_cache: bool = False
+    # When the quota store (Redis) is unreachable: "open" = local limiter at limit / replicas,
+    # "closed" = 503 with Retry-After.
+    on_store_failure: Literal["open", "closed"] = "open"
+    # Fraction of cached prompt tokens NOT charged at settlement (0 = charge all, 1 = free).
+    cached_token_discount: float = Field(0.0, ge=0, le=1)
+
+    @field_validator("keys_sha256")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        for k in v:
+            if len(k) != 64 or any(c not in "0123456789abcdefABCDEF" for c in k):
+                raise ValueError("keys_sha256 entries must be 64 hex digits (sha256 of the key)")
+        return [k.lower() for k in v]
+
+
+class TenancySettings(_Section):
+    # Tenant (from [tenants]) that serves requests without an API key; empty = keys required.
+    # With no [tenants] at all, the gateway is open (single-tenant) and this is ignored.
+    anonymous_tenant: str = ""
+    # Secret that cache_salt values are derived from (HMAC per tenant). Set it in production so
+    # salts survive key rotation and cannot be derived from anything a client knows.
+    cache_salt_secret: str = ""
+
+
+class QuotaSettings(_Section):
+    # memory: in-process (one replica, `make run`); redis: shared by every gateway replica.
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvgate:"
+    # Gateway replicas sharing the limits: fail-open-degraded enforces limit / replicas locally.
+    replicas: int = Field(1, ge=1)
+    socket_timeout_s: float = Field(0.25, gt=0)
+    op_timeout_s: float = Field(0.5, gt=0)
+    # Consecutive store failures that open the circuit, and how long it stays open.
+    breaker_failures: int = Field(3, ge=1)
+    breaker_cooldown_s: float = Field(5.0, gt=0)
+    # Usage records (one per finished request): a Redis stream with the redis backend ...
+    usage_stream: str = "kvgate:usage"
+    usage_stream_maxlen: int = Field(100_000, ge=1)
+    # ... or a JSONL file with the memory backend (empty = no records).
+    usage_file: str = ""
 
 
 class Settings(BaseSettings):
@@ -112,6 +229,9 @@ class Settings(BaseSettings):
     retries: RetrySettings = RetrySettings()
     routing: RoutingSettings = RoutingSettings()
     upstream: UpstreamSettings = UpstreamSettings()
+    tenancy: TenancySettings = TenancySettings()
+    quota: QuotaSettings = QuotaSettings()
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @classmethod
     def settings_customise_sources(
@@ -131,6 +251,15 @@ class Settings(BaseSettings):
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"duplicate worker names: {sorted(dupes)}")
+        seen: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            for k in t.keys_sha256:
+                if k in seen:
+                    raise ValueError(f"tenants {seen[k]!r} and {name!r} share an API key")
+                seen[k] = name
+        anon = self.tenancy.anonymous_tenant
+        if anon and anon not in self.tenants:
+            raise ValueError(f"tenancy.anonymous_tenant {anon!r} is not a configured tenant")
         return self
 
 

@@ -36,8 +36,63 @@ class GatewayMetrics:
         self.ttft = Histogram(
             "kvgate_time_to_first_token_seconds",
             "Gateway-observed time from request arrival to the first upstream SSE event",
-            ["model"],
+            ["model", "pool"],
             buckets=_TTFT,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvgate_time_per_output_token_seconds",
+            "Gateway-observed (e2e - ttft) / (completion_tokens - 1), per worker pool",
+            ["model", "pool"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "kvgate_routing_decisions",
+            "Routing decisions by policy and reason (affinity, load, session, ...)",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.prefix_match = Histogram(
+            "kvgate_prefix_match_ratio",
+            "Share of the request's prefix blocks the chosen worker is believed to hold",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0),
+            registry=r,
+        )
+        self.queue_delay = Gauge(
+            "kvgate_worker_estimated_queue_delay",
+            "Queue-delay signal (0..1) of the worker at its last routing decision",
+            ["worker"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "kvgate_tenant_requests",
+            "Requests per tenant by admission outcome",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "kvgate_tenant_tokens",
+            "Tokens per tenant: reserved at admission, settled from usage, refunded",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "kvgate_tenant_in_flight",
+            "Admitted, unsettled requests per tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.quota_breaker = Gauge(
+            "kvgate_quota_store_circuit",
+            "Quota store circuit state (1 = current): closed = shared limits in force",
+            ["state"],
+            registry=r,
+        )
+        self.quota_degraded = Counter(
+            "kvgate_quota_degraded_admissions",
+            "Admission decisions made by the local fail-open limiter while the store was down",
+            ["tenant"],
             registry=r,
         )
         self.inter_event = Histogram(

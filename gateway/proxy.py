@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamStreamError,
 )
-from scoring.policy import Policy, RouteRequest
+from scoring.policy import Decision, Policy, RouteRequest
 from workers.registry import Registry, Worker
 
 log = logging.getLogger("kvgate.proxy")
@@ -76,6 +76,7 @@ class Call:
     stream: bool
     client_wants_usage: bool
     route: RouteRequest
+    route_debug: Decision | None = None
     t_start: float = field(default_factory=time.perf_counter)
     worker: str = ""
     attempts: int = 0
@@ -83,7 +84,12 @@ class Call:
     ttft: float | None = None
     events: int = 0
     usage: Usage | None = None
-    outcome: str = ""  # ok | upstream_error | client_disconnect | stream_error | ...
+    outcome: str = ""  # ok | upstream_4xx | client_disconnect | upstream_broken | idle_timeout
+    # Workers this request may use (a canary split), or None for any; ignored when none qualify.
+    pool_ok: Callable[[Worker], bool] | None = None
+    pool: str = ""  # the chosen worker's `pool` label, for per-pool metrics
+    prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
+    ctx: Any = None  # the gateway's own per-request state (tenant, quota ticket)
 
 
 class Proxy:
@@ -96,6 +102,7 @@ class Proxy:
         policy: Callable[[], Policy],
         settings: Callable[[], Settings],
         on_passive_failure: Callable[[str], None] = lambda name: None,
+        on_finish: Callable[[Call], Awaitable[None]] | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -103,6 +110,7 @@ class Proxy:
         self._policy = policy
         self._settings = settings
         self._on_passive_failure = on_passive_failure
+        self._on_finish = on_finish
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call) -> Response:
@@ -115,6 +123,8 @@ class Proxy:
         policy = self._policy()
         while call.attempts < max_attempts:
             cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
+            if call.pool_ok is not None:
+                cands = [w for w in cands if call.pool_ok(w)] or cands
             if not cands:
                 break
             decision = policy.choose([w.view() for w in cands], call.route)
@@ -125,7 +135,8 @@ class Proxy:
                 self.metrics.child(
                     self.metrics.retries, last_error.code if last_error else "unknown"
                 ).inc()
-            self._acquire(worker)
+            self._record_decision(policy, call, decision)
+            self._acquire(worker, call, decision.prefill_tokens)
             handed_off = False
             try:
                 resp = await self._send(call, worker, min(t.first_byte_s, deadline - _now()))
@@ -150,6 +161,7 @@ class Proxy:
                     self._fail(worker, "empty stream")
                     continue
                 call.ttft = time.perf_counter() - call.t_start
+                self.prefill_done(worker, call)
                 headers["content-type"] = resp.headers.get(
                     "content-type", "text/event-stream; charset=utf-8"
                 )
@@ -175,7 +187,7 @@ class Proxy:
                 self._fail(worker, "first-byte timeout" if timeout else str(e))
             finally:
                 if not handed_off:
-                    self._release(worker)
+                    self._release(worker, call)
         if last_error is not None:
             raise last_error
         raise no_capacity(f"no healthy worker is serving model `{call.model}`")
@@ -229,21 +241,48 @@ class Proxy:
                 call.usage = Usage.from_json(orjson.loads(body).get("usage"))
         call.outcome = "ok" if resp.status == 200 else "upstream_4xx"
         self.registry.passive_success(worker.name)
-        self.finish(call)
+        await self.finish(call)
         headers["content-type"] = resp.headers.get("content-type", "application/json")
         return Response(body, resp.status, headers=headers)
 
     def _headers(self, call: Call, worker: str, reason: str, settings: Settings) -> dict[str, str]:
         h = {"x-request-id": call.request_id, "x-kvgate-worker": worker}
         if settings.server.debug_headers:
-            h["x-kvgate-route"] = f"reason={reason};attempts={call.attempts}"
+            d = call.route_debug
+            scores = ";".join(f"{k}={v:.3f}" for k, v in (d.scores if d else {}).items())
+            h["x-kvgate-route"] = (
+                f"reason={reason};attempts={call.attempts};matched_blocks="
+                f"{d.matched_blocks if d else 0}" + (f";{scores}" if scores else "")
+            )
         return h
 
-    def _acquire(self, worker: Worker) -> None:
+    def _record_decision(self, policy: Policy, call: Call, d: Decision) -> None:
+        m = self.metrics
+        if call.attempts == 1:
+            m.child(m.routing_decisions, policy.name, d.reason).inc()
+            if call.route.chain:
+                m.prefix_match.observe(min(1.0, d.matched_blocks / len(call.route.chain)))
+        q = d.scores.get("queue")
+        if q is not None:
+            m.child(m.queue_delay, d.worker.name).set(q)
+        policy.on_dispatch(d.worker.name, call.route)
+        call.route_debug = d
+
+    def _acquire(self, worker: Worker, call: Call, prefill_tokens: int) -> None:
         worker.in_flight += 1
+        call.prefill_tokens = prefill_tokens
+        worker.prefill_tokens += prefill_tokens
+        worker.sent_tokens_since_scrape += prefill_tokens
+        call.pool = worker.spec.labels.get("pool", "default")
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
 
-    def _release(self, worker: Worker) -> None:
+    def prefill_done(self, worker: Worker, call: Call) -> None:
+        """The worker has produced its first byte: its queued-prefill estimate drops this call."""
+        worker.prefill_tokens = max(0, worker.prefill_tokens - call.prefill_tokens)
+        call.prefill_tokens = 0
+
+    def _release(self, worker: Worker, call: Call) -> None:
+        self.prefill_done(worker, call)
         worker.in_flight -= 1
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
 
@@ -252,14 +291,20 @@ class Proxy:
         self.registry.passive_failure(worker.name, error)
         self._on_passive_failure(worker.name)
 
-    def finish(self, call: Call) -> None:
-        """Record one finished request: metrics and the structured log line."""
+    async def finish(self, call: Call) -> None:
+        """Record one finished request: settlement (the gateway's hook), metrics, the log line."""
         e2e = time.perf_counter() - call.t_start
+        if self._on_finish is not None:
+            await self._on_finish(call)
         m = self.metrics
         m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
         m.child(m.e2e, call.model).observe(e2e)
         if call.ttft is not None and call.status == 200:
-            m.child(m.ttft, call.model).observe(call.ttft)
+            m.child(m.ttft, call.model, call.pool).observe(call.ttft)
+            u = call.usage
+            if u is not None and u.completion_tokens > 1:
+                tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
+                m.child(m.tpot, call.model, call.pool).observe(tpot)
         if self._settings().logging.requests and reqlog.isEnabledFor(logging.INFO):
             u = call.usage
             reqlog.info(
@@ -349,12 +394,12 @@ class RelayResponse(Response):
                 await self._resp.release()
             else:
                 await self._resp.abort()
-            self._proxy._release(self._worker)
+            self._proxy._release(self._worker, call)
             if not call.outcome:
                 call.outcome = "client_disconnect"
             if call.outcome == "ok":
                 self._proxy.registry.passive_success(self._worker.name)
-            self._proxy.finish(call)
+            await self._proxy.finish(call)
 
     async def _pump(self, send: Send) -> None:
         call = self._call

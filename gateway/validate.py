@@ -22,8 +22,9 @@ class ParsedRequest:
     model: str
     stream: bool
     client_wants_usage: bool
-    body: bytes  # what goes upstream
     data: dict[str, Any]
+    # `data` differs from the client's bytes and must be re-serialized before it goes upstream.
+    modified: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -118,10 +119,10 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
         wants_usage = opts.get("include_usage") is True
-    body = raw
+    modified = False
     if stream and not wants_usage:
         # Every stream must end with usage so the gateway can account for it; the relay strips
         # that chunk again for clients that did not ask.
         data["stream_options"] = {**(opts or {}), "include_usage": True}
-        body = orjson.dumps(data)
-    return ParsedRequest(model, stream, wants_usage, body, data)
+        modified = True
+    return ParsedRequest(model, stream, wants_usage, data, modified)

@@ -1,8 +1,18 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, ConfigWatcher, Settings, load_settings
+from gateway.config import (
+    ConfigError,
+    ConfigWatcher,
+    Settings,
+    TenantSettings,
+    WeightsSettings,
+    WorkerSettings,
+    load_settings,
+)
+from scoring.views import RoutingOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,12 +23,25 @@ def test_example_config_is_valid_and_complete() -> None:
     assert [w.name for w in s.workers] == ["sim-1", "sim-2", "sim-3", "sim-4"]
     # Every option of every section appears in the example file, so ops can find it.
     text = (ROOT / "config.example.toml").read_text()
-    for section, model in Settings.model_fields.items():
-        if section == "workers":
-            continue
+    sections: dict[str, type] = {
+        name: f.annotation  # type: ignore[misc]
+        for name, f in Settings.model_fields.items()
+        if name not in ("workers", "tenants")
+    }
+    sections["routing.weights"] = WeightsSettings
+    sections["tenants.team-a"] = TenantSettings
+    sections["[workers"] = WorkerSettings
+    for section, model in sections.items():
         assert f"[{section}]" in text, section
-        for key in model.annotation.model_fields:  # type: ignore[union-attr]
-            assert f"\n{key} = " in text, f"{section}.{key} missing from config.example.toml"
+        body = text.split(f"[{section}]", 1)[1]
+        for key in model.model_fields:
+            if key in ("splits", "options", "weights", "model_limits", "api_key"):
+                continue
+            assert f"\n{key} = " in body, f"{section}.{key} missing from config.example.toml"
+    opts = text.split("[routing.options]", 1)[1]
+    for f in dataclasses.fields(RoutingOptions):
+        assert f"\n{f.name} = " in opts, f"routing.options.{f.name} missing"
+    assert load_settings(ROOT / "config.example.toml").routing.options  # all listed, all valid
 
 
 def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,6 +64,11 @@ def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         ),
         ('[[workers]]\nname="a"\nurl="ftp://x"\n', "workers.0.url"),
         ('[routing]\npolicy = "bogus"\n', "routing.policy"),
+        ("[routing.weights]\nprefix = -1\n", "routing.weights.prefix"),
+        ("[routing.weights]\nprefix = nan\n", "finite"),
+        ("[routing.options]\nblock_charz = 3\n", "block_charz"),
+        ('[tenants.a]\nkeys_sha256 = ["abc"]\n', "64 hex"),
+        ('[tenancy]\nanonymous_tenant = "ghost"\n', "ghost"),
     ],
 )
 def test_invalid_files_are_rejected_with_the_reason(tmp_path: Path, text: str, needle: str) -> None:

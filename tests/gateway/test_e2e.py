@@ -288,7 +288,14 @@ async def test_gateway_metrics_are_exposed(sims) -> None:  # type: ignore[no-unt
         await post(g.url + "/v1/chat/completions", {**CHAT, "model": "nope"})
         m = await g.metrics()
     assert m[f'kvgate_requests_total{{model="{MODEL}",status="200",worker="w0"}}'] == 1
-    assert m[f'kvgate_time_to_first_token_seconds_count{{model="{MODEL}"}}'] == 1
+    assert m[f'kvgate_time_to_first_token_seconds_count{{model="{MODEL}",pool="default"}}'] == 1
+    assert m[f'kvgate_time_per_output_token_seconds_count{{model="{MODEL}",pool="default"}}'] == 1
+    decisions = {
+        k: v
+        for k, v in m.items()
+        if k.startswith('kvgate_routing_decisions_total{policy="kv_aware"')
+    }
+    assert sum(decisions.values()) == 1  # the 404 never reached routing
     assert m[f'kvgate_e2e_request_seconds_count{{model="{MODEL}"}}'] == 1
     assert m['kvgate_rejected_requests_total{reason="404"}'] == 1
     assert m['kvgate_worker_up{worker="w0"}'] == 1

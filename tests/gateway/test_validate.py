@@ -14,12 +14,14 @@ def body(**kw: object) -> bytes:
 def test_non_stream_body_is_forwarded_byte_for_byte_with_unknown_fields() -> None:
     raw = b'{"model": "m", "messages": [{"role":"user","content":"hi"}], "ignore_eos": true}'
     r = parse_request(CHAT, raw)
-    assert r.body is raw and r.model == "m" and not r.stream
+    assert not r.modified and r.model == "m" and not r.stream
+    assert r.data["ignore_eos"] is True
 
 
 def test_stream_forces_usage_upstream_and_remembers_the_client_did_not_ask() -> None:
     r = parse_request(CHAT, body(model="m", messages=MSG, stream=True, top_k=5))
-    sent = orjson.loads(r.body)
+    assert r.modified
+    sent = r.data
     assert sent["stream_options"] == {"include_usage": True}
     assert sent["top_k"] == 5
     assert r.stream and not r.client_wants_usage
@@ -28,7 +30,7 @@ def test_stream_forces_usage_upstream_and_remembers_the_client_did_not_ask() -> 
 def test_stream_with_usage_requested_is_left_alone() -> None:
     raw = body(model="m", prompt="x", stream=True, stream_options={"include_usage": True})
     r = parse_request(COMPLETIONS, raw)
-    assert r.client_wants_usage and r.body is raw
+    assert r.client_wants_usage and not r.modified
 
 
 @pytest.mark.parametrize(
