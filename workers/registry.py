@@ -45,6 +45,10 @@ class Worker:
     model_cards: dict[str, dict[str, object]] = field(default_factory=dict)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     in_flight: int = 0
+    # Gateway-side load the last scrape cannot show yet (see scoring.views.WorkerView).
+    in_flight_at_scrape: int | None = None
+    prefill_tokens: int = 0
+    sent_tokens_since_scrape: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     backoff_s: float = 0.0
@@ -72,6 +76,9 @@ class Worker:
             num_blocks=m.num_blocks,
             weight=self.spec.weight,
             labels=self.spec.labels,
+            in_flight_at_scrape=self.in_flight_at_scrape,
+            prefill_tokens=self.prefill_tokens,
+            sent_tokens_since_scrape=self.sent_tokens_since_scrape,
         )
 
 
@@ -164,6 +171,8 @@ class Registry:
             self._known_models[name] = w.models
         if metrics is not None:
             w.metrics = metrics
+            w.in_flight_at_scrape = w.in_flight
+            w.sent_tokens_since_scrape = 0
         w.consecutive_failures = 0
         w.consecutive_successes += 1
         w.last_error = ""
