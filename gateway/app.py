@@ -283,6 +283,15 @@ class Gateway:
                 },
             )
             return e.response({"x-request-id": rid})
+        except Exception:
+            # A bug must still answer in the envelope and give back what it took.
+            log.exception("request %s failed inside the gateway", rid)
+            if ticket is not None:
+                await self.quota.release(ticket, refund_all=True)
+            self.metrics.rejected.labels("500").inc()
+            return APIError(
+                500, "internal gateway error", "internal_error", code="internal_error"
+            ).response({"x-request-id": rid})
 
     def _split(self, model: str) -> Callable[[Worker], bool] | None:
         """Canary splits: this request's pool, drawn once so retries stay in it when they can."""
@@ -490,7 +499,24 @@ def create_app(settings: Settings, config_path: Path | None = None) -> Starlette
         Route("/admin/workers/{name}", gw.admin_worker, methods=["DELETE"]),
         Route("/admin/reload", gw.admin_reload, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return APIError(500, "internal gateway error", "internal_error").response()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return APIError(404, f"no route {request.url.path}", "invalid_request_error").response()
+
+    async def bad_method(request: Request, exc: Exception) -> Response:
+        return APIError(
+            405, f"method {request.method} not allowed", "invalid_request_error"
+        ).response()
+
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={Exception: on_error, 404: not_found, 405: bad_method},
+    )
     app.state.gateway = gw
     return app
 

@@ -133,7 +133,13 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 if gw.registry.healthy():
                     break
                 await asyncio.sleep(0.05)
-            print(_banner(base, args.model, len(settings.workers)), flush=True)
+            key = args.demo_key
+            digest = hashlib.sha256(key.encode()).hexdigest()
+            if settings.tenants and not any(
+                digest in t.keys_sha256 for t in settings.tenants.values()
+            ):
+                key = "<your key>"
+            print(_banner(base, args.model, len(settings.workers), key), flush=True)
 
         run_async(_serve(settings, Path(args.config), on_ready=ready))
     except KeyboardInterrupt:
@@ -151,17 +157,18 @@ def cmd_dev(args: argparse.Namespace) -> int:
     return 0
 
 
-def _banner(base: str, model: str, n: int) -> str:
+def _banner(base: str, model: str, n: int, key: str) -> str:
     return f"""
 kvgate is serving on {base} in front of {n} simulated vLLM workers. Ctrl-C stops everything.
 
   curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\
+    -H 'authorization: Bearer {key}' \\
     -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
          "messages": [{{"role": "user", "content": "Hello, kvgate!"}}]}}'
 
   python -c '
 from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="unused")
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
 for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,
         messages=[{{"role": "user", "content": "Hello, kvgate!"}}]):
     print(chunk.choices[0].delta.content or "", end="", flush=True) if chunk.choices else None
@@ -194,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML config file")
     p.add_argument("--profile", default="default", help="simulator timing profile")
     p.add_argument("--model", default="sim-llama", help="model name the simulators serve")
+    p.add_argument(
+        "--demo-key",
+        default="kvg-demo-team-a",
+        help="API key shown in the printed examples (the example config's demo tenant)",
+    )
     p.set_defaults(func=cmd_dev)
 
     p = sub.add_parser("key", help="make a key and print the sha256 the config stores")

@@ -110,12 +110,12 @@ class RoutingSettings(_Section):
     session_header: str = "x-session-id"
     weights: WeightsSettings = WeightsSettings()
     # scoring.views.RoutingOptions fields (hashing, queue model, saturation, index, sessions).
-    options: dict[str, float] = Field(default_factory=dict)
+    options: dict[str, int | float] = Field(default_factory=dict)
     splits: list[SplitSettings] = Field(default_factory=list)
 
     @field_validator("options")
     @classmethod
-    def _known_options(cls, v: dict[str, float]) -> dict[str, float]:
+    def _known_options(cls, v: dict[str, int | float]) -> dict[str, int | float]:
         from scoring.views import RoutingOptions
 
         try:

@@ -94,3 +94,18 @@ def test_watcher_applies_valid_and_keeps_running_config_on_invalid(tmp_path: Pat
     # An unchanged file applies nothing.
     f.write_text('[routing]\npolicy = "least_loaded"\n')
     assert w.reload() and len(applied) == 1
+
+
+def test_example_routing_options_drive_a_real_routing_decision() -> None:
+    from scoring.policy import make_policy, route_request
+    from scoring.views import WorkerView
+
+    s = load_settings(ROOT / "config.example.toml")
+    opts = RoutingOptions(**s.routing.options)
+    assert isinstance(opts.block_chars, int)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 50_000}]}
+    route = route_request("chat", body, model="m", options=opts)
+    assert route.chain
+    policy = make_policy(s.routing.policy, options=opts)
+    d = policy.choose([WorkerView(name="a"), WorkerView(name="b")], route)
+    assert d.worker.name in {"a", "b"}
