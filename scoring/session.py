@@ -1,0 +1,68 @@
+"""Session id -> the worker that served its last turn, bounded and expiring.
+
+Multi-turn chats and agents resend their whole history each turn; the worker that served turn N
+holds it. The prefix index sees that too, but a session id survives what the index cannot express
+(a context longer than the hashed range) and is a cheap stickiness hint for ties, so it is kept as
+a second signal. Pure: the caller passes ``now``, so the
+same table runs under the simulator's virtual clock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+__all__ = ["SessionTable"]
+
+
+class SessionTable:
+    """LRU map with a TTL; entries stay ordered by last use, so expiry pops from the front."""
+
+    def __init__(self, ttl_s: float = 600.0, max_size: int = 100_000) -> None:
+        if ttl_s <= 0 or max_size <= 0:
+            raise ValueError("ttl_s and max_size must be positive")
+        self.ttl_s = ttl_s
+        self.max_size = max_size
+        # session -> (worker, last use, prompt tokens of the last turn sent there)
+        self._table: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, session_id: str, now: float) -> str | None:
+        """The session's last worker, or None when unknown or idle for longer than the TTL."""
+        entry = self.lookup(session_id, now)
+        return entry[0] if entry else None
+
+    def lookup(self, session_id: str, now: float) -> tuple[str, int] | None:
+        """``(last worker, prompt tokens of the last turn)``, or None (unknown or expired).
+
+        The last turn's prompt is what that worker most likely still caches for the next turn,
+        which can exceed what the prefix index hashes of an agent's context.
+        """
+        entry = self._table.get(session_id)
+        if entry is None:
+            return None
+        worker, seen, tokens = entry
+        if now - seen > self.ttl_s:
+            del self._table[session_id]
+            return None
+        return worker, tokens
+
+    def put(self, session_id: str, worker: str, now: float, prompt_tokens: int = 0) -> None:
+        """The session's latest turn went to ``worker``; also expires and bounds the table."""
+        table = self._table
+        table[session_id] = (worker, now, prompt_tokens)
+        table.move_to_end(session_id)
+        while table:
+            sid, (_w, seen, _t) = next(iter(table.items()))
+            if now - seen > self.ttl_s or len(table) > self.max_size:
+                del table[sid]
+            else:
+                break
+
+    def remove_worker(self, worker: str) -> int:
+        """Drop every session pinned to a worker that left the fleet; returns how many."""
+        gone = [sid for sid, (w, _seen, _t) in self._table.items() if w == worker]
+        for sid in gone:
+            del self._table[sid]
+        return len(gone)

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from scoring.session import SessionTable
+
+
+def test_remembers_the_last_worker_of_a_session() -> None:
+    t = SessionTable(ttl_s=60)
+    t.put("s1", "a", now=0)
+    t.put("s1", "b", now=1)
+    t.put("s2", "c", now=1)
+    assert t.get("s1", now=2) == "b" and t.get("s2", now=2) == "c"
+    assert t.get("nope", now=2) is None
+
+
+def test_lookup_returns_the_last_turns_prompt_size() -> None:
+    t = SessionTable(ttl_s=60)
+    t.put("s", "a", now=0, prompt_tokens=1200)
+    t.put("s", "b", now=1, prompt_tokens=1500)
+    assert t.lookup("s", now=2) == ("b", 1500)
+    assert t.lookup("s", now=100) is None
+
+
+def test_entries_expire_after_the_ttl_since_last_use() -> None:
+    t = SessionTable(ttl_s=10)
+    t.put("s", "a", now=0)
+    assert t.get("s", now=10) == "a"
+    t.put("s", "a", now=9)  # a new turn refreshes it
+    assert t.get("s", now=18) == "a"
+    assert t.get("s", now=19.5) is None
+    assert len(t) == 0
+
+
+def test_put_drops_expired_entries_and_bounds_the_table_lru_first() -> None:
+    t = SessionTable(ttl_s=100, max_size=3)
+    for i, sid in enumerate("abcd"):
+        t.put(sid, "w", now=i)
+    assert len(t) == 3 and t.get("a", now=4) is None and t.get("d", now=4) == "w"
+    t.put("b", "w", now=5)  # b becomes most recent: c is next to go
+    t.put("e", "w", now=6)
+    assert t.get("c", now=6) is None and t.get("b", now=6) == "w"
+    t.put("f", "w", now=200)  # everything else idle > ttl: swept on put
+    assert len(t) == 1
+
+
+def test_remove_worker_drops_its_sessions_only() -> None:
+    t = SessionTable()
+    t.put("s1", "a", now=0)
+    t.put("s2", "b", now=0)
+    t.put("s3", "a", now=0)
+    assert t.remove_worker("a") == 2
+    assert t.get("s1", now=1) is None and t.get("s2", now=1) == "b"
+
+
+def test_rejects_nonsense_bounds() -> None:
+    with pytest.raises(ValueError):
+        SessionTable(ttl_s=0)
+    with pytest.raises(ValueError):
+        SessionTable(max_size=0)
