@@ -55,6 +55,8 @@ class Worker:
     last_error: str = ""
     last_probe_at: float = 0.0
     last_change_at: float = field(default_factory=time.monotonic)
+    _view: WorkerView | None = field(default=None, repr=False, compare=False)
+    _view_key: tuple[object, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -65,8 +67,21 @@ class Worker:
         return self.spec.url
 
     def view(self) -> WorkerView:
+        """The routing snapshot; the same object until this worker changes, so policies can
+        memoise per-view work by identity (kv_aware does)."""
+        key = (
+            self.in_flight,
+            self.prefill_tokens,
+            self.sent_tokens_since_scrape,
+            self.in_flight_at_scrape,
+            id(self.metrics),
+            id(self.spec),
+        )
+        if self._view is not None and self._view_key == key:
+            return self._view
         m = self.metrics
-        return WorkerView(
+        self._view_key = key
+        self._view = WorkerView(
             name=self.spec.name,
             in_flight=self.in_flight,
             running=m.running,
@@ -80,6 +95,7 @@ class Worker:
             prefill_tokens=self.prefill_tokens,
             sent_tokens_since_scrape=self.sent_tokens_since_scrape,
         )
+        return self._view
 
 
 class Registry:

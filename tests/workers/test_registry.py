@@ -89,3 +89,16 @@ def test_served_models_is_the_union_over_healthy_workers() -> None:
         r.probe_failed("w2", "down")
     assert sorted(r.served_models()) == ["a", "b", "lora-x"]
     assert r.served_models()["lora-x"]["parent"] == "b"
+
+
+def test_view_is_reused_until_the_worker_changes() -> None:
+    r = make(1)
+    w = r.workers["w0"]
+    v1 = w.view()
+    assert w.view() is v1
+    w.in_flight += 1
+    v2 = w.view()
+    assert v2 is not v1 and v2.in_flight == 1
+    r.probe_ok("w0", CARD, WorkerMetrics(running=3))
+    v3 = w.view()
+    assert v3 is not v2 and v3.running == 3 and v3.in_flight_at_scrape == 1
