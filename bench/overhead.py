@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -82,9 +83,11 @@ def _proc(cmd: list[str], cores: set[int]):  # type: ignore[no-untyped-def]
 
 
 @contextlib.contextmanager
-def gateway(worker_url: str, client: str, core: int):  # type: ignore[no-untyped-def]
+def gateway(worker_url: str, client: str, core: int, extra: str = "", policy: str = "least_loaded"):  # type: ignore[no-untyped-def]
     port = _free_port()
-    cfg = f"""
+    cfg = (
+        extra
+        + f"""
 [server]
 port = {port}
 [logging]
@@ -93,13 +96,14 @@ requests = false
 [probes]
 interval_s = 1.0
 [routing]
-policy = "least_loaded"
+policy = "{policy}"
 [upstream]
 client = "{client}"
 [[workers]]
 name = "w0"
 url = "{worker_url}"
 """
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(cfg)
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", f.name]
@@ -132,6 +136,7 @@ async def drive(
     max_tokens: int,
     stream: bool,
     progress: Progress | None = None,
+    key: str | None = None,
 ) -> RunStats:
     body = json.dumps(
         {
@@ -143,6 +148,8 @@ async def drive(
         }
     ).encode()
     headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
     st = RunStats()
     sem = asyncio.Semaphore(concurrency)
     task = progress.add_task(f"{url} c={concurrency}", total=n) if progress else None
@@ -189,6 +196,40 @@ async def drive(
     return st
 
 
+BENCH_KEY = "kvg-bench"
+
+
+def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dict[str, object]:
+    """Same load with no tenants, a tenant on the memory store, and on a real Redis."""
+    from gateway.redis_server import RedisServer
+
+    extra = ""
+    redis: RedisServer | None = None
+    if mode != "off":
+        digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+        extra = (
+            f'[tenants.bench]\nkeys_sha256 = ["{digest}"]\nrpm = 10000000\ntpm = 10000000000\n'
+            "max_concurrent = 100000\n"
+        )
+        if mode == "redis":
+            redis = RedisServer(_free_port())
+            redis.start()
+            extra += f'[quota]\nbackend = "redis"\nredis_url = "{redis.url}"\n'
+    try:
+        with gateway(worker, "aiohttp", core, extra) as gw:
+            v = asyncio.run(drive(gw, n, 32, 16, True, prog, key=BENCH_KEY if extra else None))
+    finally:
+        if redis is not None:
+            redis.close()
+    return {
+        "mode": mode,
+        "rps": len(v.e2e) / v.wall,
+        "p50_ms": v.pct(v.ttft, 50) * 1e3,
+        "p99_ms": v.pct(v.ttft, 99) * 1e3,
+        "errors": v.errors,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -203,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         "--capacity-seconds", type=float, default=8.0, help="approximate capacity run length"
     )
     ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument(
+        "--quota-modes",
+        default="off,memory,redis",
+        help="quota backends for the requests/s comparison (off = no tenants)",
+    )
+    ap.add_argument("--policy", default="least_loaded", help="routing policy of the gateway")
     args = ap.parse_args(argv)
     con = Console()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -217,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max_tokens {args.max_tokens}",
         "latency": [],
         "capacity": [],
+        "quota": [],
     }
     sim_cmd = [
         sys.executable,
@@ -246,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 "direct_rps": len(d.e2e) / d.wall,
             }
             for client in clients:
-                with gateway(worker, client, gw_core) as gw:
+                with gateway(worker, client, gw_core, policy=args.policy) as gw:
                     v = asyncio.run(drive(gw, args.requests, c, args.max_tokens, True, prog))
                 row[client] = {
                     "p50_ms": v.pct(v.ttft, 50) * 1e3,
@@ -270,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
                     "errors": v.errors,
                 }
             )
+
+    quota_modes = [m for m in args.quota_modes.split(",") if m]
+    if quota_modes:
+        with _proc(sim_cmd, other), Progress(console=con, transient=True) as prog:
+            worker = f"http://127.0.0.1:{port}"
+            _wait(worker + "/health")
+            for mode in quota_modes:
+                results["quota"].append(  # type: ignore[union-attr]
+                    _quota_run(mode, worker, gw_core, args.requests, prog)
+                )
 
     t = Table(title="kvgate added TTFT (streaming chat, through gateway minus direct)")
     t.add_column("in flight", justify="right")
@@ -295,6 +353,19 @@ def main(argv: list[str] | None = None) -> int:
             r["client"], f"{r['events_per_s']:.0f}", f"{r['requests_per_s']:.1f}", str(r["errors"])
         )
     con.print(t2)
+    if results["quota"]:
+        t3 = Table(title="Quotas on one gateway core (32 streams x 16 tokens, one tenant)")
+        for col in ("quota backend", "requests/s", "TTFT p50 ms", "TTFT p99 ms", "errors"):
+            t3.add_column(col, justify="right")
+        for r in results["quota"]:  # type: ignore[union-attr]
+            t3.add_row(
+                r["mode"],
+                f"{r['rps']:.0f}",
+                f"{r['p50_ms']:.2f}",
+                f"{r['p99_ms']:.2f}",
+                str(r["errors"]),
+            )
+        con.print(t3)
     con.print(f"[dim]{results['machine']}; {results['setup']}[/dim]")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
