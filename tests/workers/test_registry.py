@@ -102,3 +102,11 @@ def test_view_is_reused_until_the_worker_changes() -> None:
     r.probe_ok("w0", CARD, WorkerMetrics(running=3))
     v3 = w.view()
     assert v3 is not v2 and v3.running == 3 and v3.in_flight_at_scrape == 1
+
+
+def test_lora_adapters_are_models_of_their_own() -> None:
+    r = make(2)
+    r.probe_ok("w0", [{"id": "base"}], None)
+    r.probe_ok("w1", [{"id": "base"}, {"id": "sql-lora", "parent": "base"}], None)
+    assert [w.name for w in r.candidates("sql-lora")] == ["w1"]
+    assert sorted(w.name for w in r.candidates("base")) == ["w0", "w1"]
