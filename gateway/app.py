@@ -7,7 +7,9 @@ policy, retries before the first byte, relays SSE untouched -> metrics and one l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -27,7 +29,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.config import ConfigWatcher, RoutingSettings, Settings, WorkerSettings, load_settings
+from gateway.config import (
+    ConfigWatcher,
+    RoutingSettings,
+    Settings,
+    TokenModeSettings,
+    WorkerSettings,
+    load_settings,
+)
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.logs import setup_logging
 from gateway.metrics import GatewayMetrics
@@ -38,6 +47,7 @@ from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
 from scoring.policy import Policy, RoutingState, make_policy, route_request, session_id_from
+from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
 from scoring.views import RoutingOptions, Weights
 from workers.probe import Prober
 from workers.registry import Health, Registry, Worker, WorkerSpec
@@ -45,6 +55,12 @@ from workers.registry import Health, Registry, Worker, WorkerSpec
 log = logging.getLogger("kvgate.gateway")
 
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
+    from gateway.tokenizers import load_token_keyer
+
+    return {m: load_token_keyer(p, cache_tokens=t.cache_tokens) for m, p in t.models.items()}
 
 
 def _spec(w: WorkerSettings) -> WorkerSpec:
@@ -70,6 +86,7 @@ class Gateway:
         )
         self.routing_options = RoutingOptions(**settings.routing.options)
         self.routing_state = RoutingState(self.routing_options)
+        self.token_keyers = _load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
         self.quota = QuotaGate(settings.quota, self.metrics)
@@ -163,6 +180,11 @@ class Gateway:
             self.policy = self._make_policy(r)  # same RoutingState: the index survives
         elif r.weights != old.routing.weights:
             self.policy.set_weights(Weights(**r.weights.model_dump()))
+        if r.token_mode != old.routing.token_mode:
+            try:
+                self.token_keyers = _load_keyers(r.token_mode)
+            except Exception:
+                log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
         p = new.probes
         r = self.registry
@@ -235,18 +257,43 @@ class Gateway:
                 raise model_not_found(model)
             policy = self.policy
             salt = data.get("cache_salt")
+            cache_salt = salt if isinstance(salt, str) else None
+            kind = "chat" if is_chat else "completion"
+            needs_chain = getattr(policy, "needs_chain", False)
+            keyer = self.token_keyers.get(model) if needs_chain else None
+            key = None
+            if keyer is not None:  # token mode: the worker's own tokens and blocks
+                views = (w.view() for w in self.registry.candidates(model))
+                bs = next((v.block_size for v in views if v.block_size), 16)
+                keying = functools.partial(
+                    keyer.key,
+                    kind,
+                    data,
+                    model=model,
+                    namespace=tenant.namespace,
+                    cache_salt=cache_salt,
+                    block_size=bs,
+                    max_blocks=opts.max_blocks,
+                    tail_ratio=opts.tail_ratio,
+                    tail_blocks=opts.tail_blocks,
+                )
+                with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
+                    big = len(raw) > settings.routing.token_mode.offload_bytes
+                    key = await asyncio.to_thread(keying) if big else keying()
             route = route_request(
-                "chat" if is_chat else "completion",
+                kind,
                 data,
                 model=model,
                 namespace=tenant.namespace,
-                cache_salt=salt if isinstance(salt, str) else None,
+                cache_salt=cache_salt,
                 tenant_priority=tenant.priority,
                 session_id=session_id_from(request.headers, data, settings.routing.session_header),
                 request_id=rid,
                 options=opts,
-                hash_prefix=getattr(policy, "needs_chain", False),
+                hash_prefix=needs_chain and key is None,
             )
+            if key is not None:
+                route = with_key(route, key)
             if self.tenants.enabled:
                 ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
             call = Call(

@@ -104,6 +104,24 @@ class SplitSettings(_Section):
     share: float = Field(gt=0, le=1)
 
 
+class TokenModeSettings(_Section):
+    # Served model name -> local directory holding the files its workers serve (tokenizer.json and
+    # tokenizer_config.json / chat_template.jinja). Models not listed route in text mode.
+    models: dict[str, str] = Field(default_factory=dict)
+    # Prefix-ids cache per model (4 bytes per token held).
+    cache_tokens: int = Field(1 << 20, ge=0)
+    # Bodies larger than this are tokenized in a worker thread (tokenizers releases the GIL).
+    offload_bytes: int = Field(16_384, ge=0)
+
+    @field_validator("models")
+    @classmethod
+    def _has_tokenizer(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not (Path(path) / "tokenizer.json").is_file():
+                raise ValueError(f"token_mode.models[{name!r}]: no tokenizer.json in {path}")
+        return v
+
+
 class RoutingSettings(_Section):
     policy: Literal["round_robin", "least_loaded", "prefix", "session", "kv_aware"] = "kv_aware"
     # Header carrying the session id (else the body's `user` or `prompt_cache_key`).
@@ -112,6 +130,7 @@ class RoutingSettings(_Section):
     # scoring.views.RoutingOptions fields (hashing, queue model, saturation, index, sessions).
     options: dict[str, int | float] = Field(default_factory=dict)
     splits: list[SplitSettings] = Field(default_factory=list)
+    token_mode: TokenModeSettings = TokenModeSettings()
 
     @field_validator("options")
     @classmethod

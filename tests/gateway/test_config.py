@@ -8,6 +8,7 @@ from gateway.config import (
     ConfigWatcher,
     Settings,
     TenantSettings,
+    TokenModeSettings,
     WeightsSettings,
     WorkerSettings,
     load_settings,
@@ -29,13 +30,14 @@ def test_example_config_is_valid_and_complete() -> None:
         if name not in ("workers", "tenants")
     }
     sections["routing.weights"] = WeightsSettings
+    sections["routing.token_mode"] = TokenModeSettings
     sections["tenants.team-a"] = TenantSettings
     sections["[workers"] = WorkerSettings
     for section, model in sections.items():
         assert f"[{section}]" in text, section
         body = text.split(f"[{section}]", 1)[1]
         for key in model.model_fields:
-            if key in ("splits", "options", "weights", "model_limits", "api_key"):
+            if key in ("splits", "options", "weights", "model_limits", "api_key", "token_mode"):
                 continue
             assert f"\n{key} = " in body, f"{section}.{key} missing from config.example.toml"
     opts = text.split("[routing.options]", 1)[1]

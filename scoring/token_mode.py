@@ -1,0 +1,590 @@
+"""Token mode: the served model's own tokens, cut into the worker's own blocks.
+
+Text mode (``scoring.prefix``) approximates vLLM's cache with bytes of a ChatML-like rendering, so
+a matched block only *probably* corresponds to cached KV. Token mode removes the approximation:
+the request is rendered with the model's chat template, tokenized with its ``tokenizer.json``
+exactly as vLLM does, and the ids are cut into ``block_size``-token blocks -- the unit vLLM caches
+and reports in its KV events. Entry ``i`` of the chain then names the same tokens as the worker's
+block ``i``, which is what lets a KV-event index (a later issue) recompute our key from a
+``BlockStored`` event's ``token_ids``: the chain is ``chain_hashes_tokens(ids, block_size, seed)``,
+a pure function of the ids, the block size and ``seed_for(model, namespace, cache_salt)``, the
+same function and seed text mode already uses for token-id prompts.
+
+This module is pure: the tokenizer (``encode``) and the template (``render``) are injected, already
+loaded (``gateway.tokenizers.load_token_keyer`` builds them from a model directory), so it can be
+tested with any callables and never touches the disk.
+
+Cost. Rendering is ~10-20 us; tokenizing dominates (several ms for an 8k-token chat, see the
+lead's report), so the keyer keeps an LRU of *rendered prefix -> token ids* for the two prefixes
+that repeat in practice: the first message (a shared system prompt) and the whole conversation so
+far (the next turn of the same chat extends it). Reusing ids for a prefix is only correct where
+the tokenizer is known to restart there: right after an added token that it splits out before
+normalizing and pre-tokenizing (``safe_boundaries``; the loader picks them and self-checks), so
+``encode(a + b) == encode(a) + encode(b)`` when ``a`` ends with such a token.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import dataclasses
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import xxhash
+
+from scoring.prefix import (
+    PathKind,
+    PromptKey,
+    chain_hashes_tokens,
+    render_completion,
+    seed_for,
+    tail_layout,
+)
+from scoring.views import RouteRequest
+
+__all__ = [
+    "ChatRenderer",
+    "ContentFormat",
+    "Encoder",
+    "TokenKeyError",
+    "TokenKeyer",
+    "chat_inputs",
+    "with_key",
+]
+
+ContentFormat = Literal["string", "openai"]
+Encoder = Callable[[str], Sequence[int]]
+
+# vLLM's TEXT_PART_TYPES and where each keeps its text.
+_TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_MEDIA_KINDS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_embeds": "image",
+    "image_pil": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+}
+# apply_chat_template's own parameters: a request's chat_template_kwargs naming them never reaches
+# the template as a variable.
+_NOT_TEMPLATE_VARS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "tools",
+        "messages",
+    }
+)
+
+
+class TokenKeyError(ValueError):
+    """The request cannot be tokenized the worker's way (the template rejected it, bad ids).
+
+    vLLM would answer such a request with a 400 itself; routing should fall back to text mode
+    rather than fail it here, so the worker's own error reaches the client.
+    """
+
+
+class ChatRenderer(Protocol):
+    """The chat template, applied as ``transformers.apply_chat_template(tokenize=False)`` does.
+
+    ``messages`` and ``tools`` are already in the shape vLLM hands the template (``chat_inputs``);
+    ``template_kwargs`` carries ``add_generation_prompt``, ``continue_final_message``,
+    ``documents`` and the request's ``chat_template_kwargs``.
+    """
+
+    def __call__(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, /, **kw: Any
+    ) -> str: ...
+
+
+# -- request -> template inputs, as vLLM builds them -----------------------------------------------
+def _media_placeholder(kind: str, part: Mapping[str, Any]) -> str:
+    # vLLM replaces media with model-specific placeholder tokens we cannot reproduce; a stable
+    # text keeps different media apart without carrying a megabyte payload into the tokenizer.
+    payload = json.dumps(part.get(kind, part), sort_keys=True, default=str)
+    return f"<|{kind}:{xxhash.xxh3_64_hexdigest(payload.encode('utf-8', 'surrogatepass'))}|>"
+
+
+def _parts(content: Any) -> list[str | dict[str, Any]]:
+    """Content as vLLM's list of parts: text parts as strings, media parts as small dicts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, Mapping):
+        content = [content]
+    if not isinstance(content, Sequence):
+        return [str(content)]
+    out: list[str | dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            out.append(str(part))
+            continue
+        kind = str(part.get("type", "text"))
+        key = _TEXT_PART_KEYS.get(kind)
+        if key is not None:
+            text = part.get(key)
+            if text is not None:  # vLLM skips text parts with no text
+                out.append(str(text))
+        else:
+            ph = _media_placeholder(kind, part)
+            out.append({"type": _MEDIA_KINDS.get(kind, kind), "_ph": ph})
+    return out
+
+
+def _content(content: Any, fmt: ContentFormat) -> str | list[dict[str, Any]]:
+    parts = _parts(content)
+    if fmt == "openai":
+        return [
+            {"type": "text", "text": p} if isinstance(p, str) else {"type": p["type"]}
+            for p in parts
+        ]
+    return "\n".join(p if isinstance(p, str) else p["_ph"] for p in parts)
+
+
+def _tool_calls(calls: Any) -> list[Any] | None:
+    """Assistant tool calls with JSON-string arguments parsed to objects, as vLLM hands them on.
+
+    Tool-use templates iterate ``arguments`` as a mapping; invalid or non-object JSON becomes
+    ``{}`` (vLLM coerces rather than failing every later turn of the conversation).
+    """
+    if not isinstance(calls, list) or not calls:
+        return None
+    out: list[Any] = []
+    for item in calls:
+        if not isinstance(item, Mapping):
+            raise TokenKeyError("assistant tool_calls entries must be objects")
+        item = dict(item)
+        fn = item.get("function")
+        if isinstance(fn, Mapping):
+            fn = dict(fn)
+            args = fn.get("arguments")
+            parsed: Any = {}
+            if isinstance(args, Mapping):
+                parsed = dict(args)
+            elif isinstance(args, str) and args:
+                try:
+                    parsed = json.loads(args)
+                except ValueError:
+                    parsed = {}
+            fn["arguments"] = parsed if isinstance(parsed, dict) else {}
+            item["function"] = fn
+        out.append(item)
+    return out
+
+
+def _tool(tool: Any) -> Any:
+    """A request tool as vLLM's ``model_dump()`` of it: defaults filled, unset optionals left out.
+
+    Templates that ``tojson`` the tools see these exact keys, so a client that omits
+    ``description`` renders ``"description": null`` on the worker.
+    """
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        return tool
+    fn = tool["function"]
+    top_defer = tool.get("defer_loading")
+    fn_defer = fn.get("defer_loading")
+    if fn_defer is None:
+        fn_defer = top_defer  # vLLM propagates the tool's flag to its function
+    out_fn: dict[str, Any] = {
+        "name": fn.get("name"),
+        "description": fn.get("description"),
+        "parameters": fn.get("parameters"),
+    }
+    if fn.get("strict") is not None:
+        out_fn["strict"] = fn["strict"]
+    if fn_defer is not None:
+        out_fn["defer_loading"] = fn_defer
+    out: dict[str, Any] = {"type": tool.get("type", "function"), "function": out_fn}
+    if top_defer is not None:
+        out["defer_loading"] = top_defer
+    return out
+
+
+def _consolidate_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's merge of all system messages into one leading message (after developer->system)."""
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    needed = False
+    for i, m in enumerate(msgs):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        needed = needed or i > 0 or bool(texts)
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(
+                p["text"] if isinstance(p, dict) and "text" in p else p
+                for p in c
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if c:
+            texts.append(c)
+    if not needed:
+        return msgs
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
+def chat_inputs(
+    body: Mapping[str, Any],
+    *,
+    content_format: ContentFormat = "string",
+    developer_role: bool = True,
+) -> tuple[list[dict[str, Any]], list[Any] | None, dict[str, Any]]:
+    """A chat body -> (messages, tools, template kwargs) as vLLM passes them to the template.
+
+    Follows vLLM 0.32's ``parse_chat_messages`` and ``build_chat_params`` for what changes the
+    rendered text: text parts joined by newlines (or kept as parts for templates that iterate
+    content, ``content_format="openai"``), tool-call arguments parsed, tool results flattened,
+    ``developer`` turned into ``system`` for templates that do not know it, and the request's
+    ``chat_template_kwargs`` under the request's own ``add_generation_prompt`` etc. The body is
+    never mutated.
+    """
+    raw = body.get("messages") or ()
+    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
+        raise TokenKeyError("messages must be a list")
+    msgs: list[dict[str, Any]] = []
+    for m in raw:
+        if not isinstance(m, Mapping):
+            raise TokenKeyError("each message must be an object")
+        role = str(m.get("role", "user"))
+        out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), content_format)}
+        if role == "assistant":
+            calls = _tool_calls(m.get("tool_calls"))
+            if calls is not None:
+                out["tool_calls"] = calls
+            if m.get("reasoning") is not None:
+                out["reasoning"] = out["reasoning_content"] = str(m["reasoning"])
+        elif role == "tool":
+            if "tool_call_id" in m:
+                out["tool_call_id"] = m["tool_call_id"]
+            c = out["content"]
+            if isinstance(c, list) and all(p.get("type") == "text" for p in c):
+                out["content"] = "\n".join(p["text"] for p in c)
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+        if isinstance(m.get("task"), str):
+            out["task"] = m["task"]
+        if role == "developer":
+            out["tools"] = m.get("tools")
+        msgs.append(out)
+    if not developer_role and any(m["role"] == "developer" for m in msgs):
+        for m in msgs:
+            if m["role"] == "developer":
+                m["role"] = "system"
+                m.pop("tools", None)
+        msgs = _consolidate_system(msgs)
+
+    tools_raw = body.get("tools")
+    tools = [_tool(t) for t in tools_raw] if isinstance(tools_raw, list) and tools_raw else None
+
+    user_kw = body.get("chat_template_kwargs")
+    kw: dict[str, Any] = {
+        k: v
+        for k, v in (user_kw.items() if isinstance(user_kw, Mapping) else ())
+        if isinstance(k, str) and k not in _NOT_TEMPLATE_VARS
+    }
+    effort = body.get("reasoning_effort")
+    extra: dict[str, Any] = {
+        "add_generation_prompt": body.get("add_generation_prompt", True),
+        "continue_final_message": body.get("continue_final_message", False),
+        "documents": body.get("documents"),
+        "reasoning_effort": effort,
+    }
+    if effort is not None and "enable_thinking" not in kw:
+        extra["enable_thinking"] = effort != "none"
+    # vLLM's merge_kwargs: the request's own fields win unless unset (None or "auto").
+    kw.update({k: v for k, v in extra.items() if v is not None and v != "auto"})
+    return msgs, tools, kw
+
+
+# -- rendered prefix -> ids ------------------------------------------------------------------------
+class _PrefixIds:
+    """LRU of token ids for rendered prefixes that end on a safe boundary.
+
+    Keyed by (prefix length in characters, xxh3-128 of its UTF-8): one streaming pass over the
+    text yields the key of every boundary, so finding the longest cached prefix costs O(text), not
+    O(text x boundaries), and the cache does not hold the (possibly 100 KB) prefix strings. A
+    128-bit digest collision is the only way a wrong entry is used.
+    """
+
+    def __init__(
+        self,
+        added_tokens: Collection[str],
+        safe: Collection[str],
+        max_tokens: int,
+        min_chars: int,
+    ) -> None:
+        # Longest first: Python's alternation is leftmost-first, which then equals the
+        # tokenizer's leftmost-longest added-token matching.
+        tokens = sorted({t for t in (*added_tokens, *safe) if t}, key=len, reverse=True)
+        self._re = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        self._safe = frozenset(safe)
+        self.max_tokens = max_tokens
+        self.min_chars = min_chars
+        self._lru: OrderedDict[tuple[int, int], array.array[int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._re is not None and bool(self._safe) and self.max_tokens > 0
+
+    @property
+    def held_tokens(self) -> int:
+        return self._held
+
+    def boundaries(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Every safe cut point of ``text`` and its cache key, in order."""
+        assert self._re is not None
+        cuts: list[int] = []
+        keys: list[tuple[int, int]] = []
+        h = xxhash.xxh3_128()
+        prev = 0
+        safe = self._safe
+        for m in self._re.finditer(text):
+            if m.group() not in safe:
+                continue
+            b = m.end()
+            h.update(text[prev:b].encode("utf-8", "surrogatepass"))
+            prev = b
+            cuts.append(b)
+            keys.append((b, h.intdigest()))
+        return cuts, keys
+
+    def get(self, keys: list[tuple[int, int]]) -> tuple[int, array.array[int] | None]:
+        """The longest cached prefix among ``keys``: (its index, ids) or (-1, None)."""
+        with self._lock:
+            for i in range(len(keys) - 1, -1, -1):
+                ids = self._lru.get(keys[i])
+                if ids is not None:
+                    self._lru.move_to_end(keys[i])
+                    self.hits += 1
+                    return i, ids
+            self.misses += 1
+        return -1, None
+
+    def put(self, key: tuple[int, int], ids: array.array[int]) -> None:
+        n = len(ids)
+        if n > self.max_tokens or key[0] < self.min_chars:
+            return
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._held -= len(old)
+            self._lru[key] = ids
+            self._held += n
+            while self._held > self.max_tokens:
+                _, dropped = self._lru.popitem(last=False)
+                self._held -= len(dropped)
+
+
+def _ids(seq: Sequence[int]) -> array.array[int]:
+    try:
+        return seq if isinstance(seq, array.array) else array.array("I", seq)
+    except (OverflowError, TypeError) as e:
+        raise TokenKeyError(f"token ids must be integers in [0, 2^32): {e}") from e
+
+
+class TokenKeyer:
+    """Request body -> the worker's token ids -> ``PromptKey`` (the type ``text_key`` returns).
+
+    ``encode`` must tokenize *without* special tokens (what vLLM does to a rendered chat, whose
+    template writes BOS itself); ``encode_special`` *with* them (what vLLM does to a completions
+    string prompt: a Llama tokenizer adds BOS), defaulting to ``encode``. A request's own
+    ``add_special_tokens`` picks between them, as it does on the worker.
+
+    ``added_tokens`` are every string the tokenizer splits out before anything else and
+    ``safe_boundaries`` those of them after which its output provably restarts; with none, or with
+    ``cache_tokens=0``, no prefix ids are cached. Safe to share between threads: tokenizing an
+    8k-token prompt takes milliseconds, so callers may run ``key`` off the event loop.
+    """
+
+    def __init__(
+        self,
+        encode: Encoder,
+        render: ChatRenderer,
+        *,
+        encode_special: Encoder | None = None,
+        content_format: ContentFormat = "string",
+        developer_role: bool = True,
+        added_tokens: Collection[str] = (),
+        safe_boundaries: Collection[str] = (),
+        cache_tokens: int = 1 << 20,
+        cache_min_chars: int = 1024,
+    ) -> None:
+        self._encode = encode
+        self._encode_special = encode_special or encode
+        self._render = render
+        self.content_format: ContentFormat = content_format
+        self.developer_role = developer_role
+        self._cache = _PrefixIds(added_tokens, safe_boundaries, cache_tokens, cache_min_chars)
+
+    # -- introspection, for metrics and tests --
+    @property
+    def cache_enabled(self) -> bool:
+        return self._cache.enabled
+
+    def cache_stats(self) -> dict[str, int]:
+        c = self._cache
+        return {"hits": c.hits, "misses": c.misses, "held_tokens": c.held_tokens}
+
+    # -- ids --
+    def render(self, body: Mapping[str, Any]) -> str:
+        """The chat prompt text the worker's template produces for ``body``."""
+        msgs, tools, kw = chat_inputs(
+            body, content_format=self.content_format, developer_role=self.developer_role
+        )
+        try:
+            return self._render(msgs, tools, **kw)
+        except TokenKeyError:
+            raise
+        except Exception as e:  # template errors (raise_exception), type errors in content
+            raise TokenKeyError(f"chat template failed: {e}") from e
+
+    def token_ids(self, path_kind: PathKind, body: Mapping[str, Any]) -> array.array[int]:
+        """The prompt token ids the worker computes KV for (token-id prompts: the ids as given)."""
+        if path_kind == "chat":
+            text = self.render(body)
+            if body.get("add_special_tokens", False) is True:
+                return self._encode_with(self._encode_special, text)
+            first = self._first_text(body)
+            return self._encode_plain(text, first)
+        prompt = render_completion(body.get("prompt"))
+        if isinstance(prompt, list):
+            return _ids(prompt)
+        plain = body.get("add_special_tokens", True) is False
+        return self._encode_with(self._encode if plain else self._encode_special, prompt)
+
+    def key(
+        self,
+        path_kind: PathKind,
+        body: Mapping[str, Any],
+        *,
+        model: str,
+        namespace: str = "",
+        cache_salt: str | None = None,
+        block_size: int = 16,
+        max_blocks: int = 256,
+        tail_ratio: int = 0,
+        tail_blocks: int = 0,
+    ) -> PromptKey:
+        """The request's PromptKey in the worker's blocks: chain over full ``block_size`` blocks.
+
+        Same seed and hash as text mode's token-id path (``seed_for``, ``chain_hashes_tokens``),
+        so the same ids key the same chain whichever mode saw them; ``prompt_tokens`` is exact.
+        Raises ``TokenKeyError`` when the request cannot be tokenized (fall back to text mode).
+        """
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        salt = cache_salt if cache_salt is not None else str(body.get("cache_salt") or "")
+        ids = self.token_ids(path_kind, body)
+        chain = chain_hashes_tokens(
+            ids,
+            block_size=block_size,
+            seed=seed_for(model, namespace, salt),
+            max_blocks=max_blocks,
+            tail_ratio=tail_ratio,
+            tail_blocks=tail_blocks,
+        )
+        ends = tail_layout(max_blocks, tail_ratio, tail_blocks) if tail_ratio > 0 else ()
+        return PromptKey(chain, float(len(ids)), float(block_size), max_blocks, ends)
+
+    # -- internals --
+    def _encode_with(self, enc: Encoder, text: str) -> array.array[int]:
+        try:
+            return _ids(enc(text))
+        except TokenKeyError:
+            raise
+        except Exception as e:
+            raise TokenKeyError(f"tokenizer failed: {e}") from e
+
+    def _first_text(self, body: Mapping[str, Any]) -> str:
+        """The first message's text, to find where the shared system prompt ends when rendered."""
+        msgs = body.get("messages")
+        if not isinstance(msgs, Sequence) or not msgs or not isinstance(msgs[0], Mapping):
+            return ""
+        c = _content(msgs[0].get("content"), "string")
+        return c if isinstance(c, str) else ""
+
+    def _encode_plain(self, text: str, first: str) -> array.array[int]:
+        """``encode(text)``, reusing the ids of its longest cached safe prefix.
+
+        Cut points are stored for the end of the first message (a system prompt shared across
+        users) and the end of the text (the next turn of this conversation starts with it). A
+        miss encodes the text in pieces at those cut points, which costs the same as one call, so
+        a miss never pays twice to fill the cache.
+        """
+        cache = self._cache
+        if not cache.enabled or len(text) < cache.min_chars:
+            return self._encode_with(self._encode, text)
+        cuts, keys = cache.boundaries(text)
+        if not cuts:
+            return self._encode_with(self._encode, text)
+        hit, cached = cache.get(keys)
+        start = cuts[hit] if hit >= 0 else 0
+        store: list[int] = []  # indices into cuts/keys to fill
+        first = first.strip()  # many templates trim the content they print
+        pos = text.find(first) if first else -1
+        if pos >= 0:
+            i = bisect.bisect_left(cuts, pos + len(first))
+            if hit < i < len(cuts):
+                store.append(i)
+        last = len(cuts) - 1
+        if last > hit and last not in store:
+            store.append(last)
+        store.sort()
+        out = array.array("I", cached) if cached is not None else array.array("I")
+        pos = start
+        for i in store:
+            b = cuts[i]
+            out.extend(self._encode_with(self._encode, text[pos:b]))
+            pos = b
+            cache.put(keys[i], array.array("I", out))
+        if pos < len(text):
+            out.extend(self._encode_with(self._encode, text[pos:]))
+        return out
+
+
+def with_key(route: RouteRequest, key: PromptKey) -> RouteRequest:
+    """``route`` (from ``route_request(..., hash_prefix=False)``) carrying ``key``'s chain.
+
+    Lets the gateway keep ``route_request`` for everything else it decides (session scoping,
+    priority) and swap in a token-mode key, without a second code path building RouteRequests.
+    """
+    return dataclasses.replace(
+        route,
+        chain=tuple(key.chain),
+        block_tokens=key.block_tokens,
+        prompt_tokens=round(key.prompt_tokens),
+        dense_blocks=key.dense_blocks,
+        tail_ends=key.tail_ends,
+    )
