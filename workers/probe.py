@@ -45,6 +45,7 @@ class Prober:
         self.on_probe = on_probe
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
+        self._stopping = False
 
     def sync(self) -> None:
         """Start a probe task for every new worker and stop those of removed ones."""
@@ -64,6 +65,9 @@ class Prober:
             ev.set()
 
     async def stop(self) -> None:
+        self._stopping = True
+        for ev in self._wake.values():
+            ev.set()
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for t in tasks:
@@ -74,12 +78,14 @@ class Prober:
 
     async def _loop(self, name: str) -> None:
         wake = self._wake[name]
-        while name in self.registry.workers:
+        while name in self.registry.workers and not self._stopping:
             await self.probe_once(name)
             delay = self.registry.next_probe_delay(name, self.interval_s)
             wake.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel and hang stop().
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await wake.wait()
 
     async def probe_once(self, name: str) -> bool:
         w = self.registry.workers.get(name)
@@ -87,7 +93,8 @@ class Prober:
             return False
         t0 = time.perf_counter()
         try:
-            models, metrics = await asyncio.wait_for(self._probe(w), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                models, metrics = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
             err = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             was = w.health
