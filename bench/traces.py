@@ -1,21 +1,56 @@
-"""Trace loading and synthetic prompt materialisation for the benches.
+"""Traces for the benches: one normalized request schema, converters, sampling, prompts, bounds.
+
+Why one schema: every bench (offline simulation, HTTP replay, capacity search, comparisons) must
+replay the *same* requests whatever the source, so each source is converted once into
+`TraceRequest`s and everything downstream reads only those. A team replays its own traffic by
+writing that JSONL (see bench/README.md); nothing else in bench/ knows about source formats.
+
+The schema (one JSON object per line; an optional first line ``{"kvgate_trace": 1, ...}`` carries
+metadata):
+
+    arrival_s       seconds since the trace start (float, non-decreasing after `sort`)
+    request_id      unique string
+    tenant          tenant / group name ("" when unknown)
+    session_id      conversation or agent session (null when unknown)
+    input_length    prompt tokens
+    output_length   tokens to generate (replays send max_tokens = output_length, ignore_eos)
+    block_size      tokens per block id
+    block_ids       one id per block of the prompt, block i = tokens [i*bs, (i+1)*bs): equal ids
+                    mean equal content *and* equal prefix (ids name a prefix-tree node). Ints, or
+                    strings for ids scoped by the converter ("trace_0001:17"). At least
+                    floor(input_length / bs) and at most ceil(input_length / bs) of them; tokens
+                    past the last id are unique to the request.
+    prompt          optional text prompt (replayed as-is through chat/completions)
+    prompt_token_ids optional token ids (replayed as-is)
+
+Prompts without text are materialised from block ids (`prompt_token_ids`, `prompt_text`): every
+id maps to a fixed pseudo-random block of tokens, so identical ids give identical tokens in every
+run and process, and the prompt has exactly `input_length` tokens.
 
 Mooncake-format traces (kvcache-ai/Mooncake) publish no text, only per-request lengths and
-`hash_ids`: one id per 512-token block, equal ids meaning equal block contents (and, since the ids
-are assigned along the prefix, equal prefixes). To replay them through an engine that hashes real
-token ids we turn every id into a fixed pseudo-random block of tokens, so that shared ids give
-byte-identical prefixes and distinct ids practically never collide.
+`hash_ids`: one id per 512-token block. The functions `load_mooncake`, `tokens_for_blocks` and
+`infinite_cache_hit_rate` below predate the schema and stay as they were (bench/sim_speed.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import bisect
+import csv
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+import math
+import random
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import xxhash
 
 MOONCAKE_BLOCK_TOKENS = 512
 TOKEN_LOW, TOKEN_HIGH = 1000, 50000  # below 1000 are the sim tokenizer's words/generated ids
@@ -25,6 +60,10 @@ TOKEN_LOW, TOKEN_HIGH = 1000, 50000  # below 1000 are the sim tokenizer's words/
 # Two independent 20-bit offsets make accidental equality of two different ids ~1e-12 per pair.
 _POOL_BITS = 20
 _pool: np.ndarray | None = None
+
+SCHEMA_VERSION = 1
+BlockId = int | str
+_MASK64 = (1 << 64) - 1
 
 
 class TraceRecord(NamedTuple):
@@ -57,7 +96,7 @@ def _get_pool(min_len: int) -> np.ndarray:
     return _pool
 
 
-def _block(pool: np.ndarray, scope: str, hash_id: int, block_tokens: int) -> np.ndarray:
+def _block(pool: np.ndarray, scope: str, hash_id: int | str, block_tokens: int) -> np.ndarray:
     digest = hashlib.blake2b(f"{scope}\x00{hash_id}".encode(), digest_size=8).digest()
     key = int.from_bytes(digest, "little")
     mask = (1 << _POOL_BITS) - 1
@@ -114,3 +153,802 @@ def infinite_cache_hit_rate(
         total += rec.input_length
         seen.update(rec.hash_ids[: rec.input_length // block_tokens])
     return hits / total if total else 0.0
+
+
+# ==================================================================================================
+# The normalized schema
+# ==================================================================================================
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a normalized trace (see the module docstring for the field contract)."""
+
+    arrival_s: float
+    request_id: str
+    input_length: int
+    output_length: int
+    block_size: int
+    block_ids: list[BlockId] = field(default_factory=list)
+    tenant: str = ""
+    session_id: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError on a record that would replay wrongly (checked at load, not per use)."""
+        if self.input_length < 1:
+            raise ValueError(f"{self.request_id}: input_length must be >= 1")
+        if self.output_length < 0:
+            raise ValueError(f"{self.request_id}: output_length must be >= 0")
+        if self.block_size < 1:
+            raise ValueError(f"{self.request_id}: block_size must be >= 1")
+        lo, hi = self.input_length // self.block_size, -(-self.input_length // self.block_size)
+        if (
+            self.prompt is None
+            and self.prompt_token_ids is None
+            and not (lo <= len(self.block_ids) <= hi)
+        ):
+            raise ValueError(
+                f"{self.request_id}: {len(self.block_ids)} block ids for {self.input_length} "
+                f"tokens in blocks of {self.block_size} (expected {lo}..{hi})"
+            )
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.input_length:
+            raise ValueError(f"{self.request_id}: prompt_token_ids length != input_length")
+
+    @property
+    def full_blocks(self) -> int:
+        """Block ids that cover a whole block of the prompt (the only ones a cache can reuse)."""
+        return min(len(self.block_ids), self.input_length // self.block_size)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("prompt", "prompt_token_ids"):
+            if d[k] is None:
+                del d[k]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TraceRequest:
+        return cls(
+            arrival_s=float(d["arrival_s"]),
+            request_id=str(d["request_id"]),
+            input_length=int(d["input_length"]),
+            output_length=int(d["output_length"]),
+            block_size=int(d["block_size"]),
+            block_ids=list(d.get("block_ids") or []),
+            tenant=str(d.get("tenant") or ""),
+            session_id=d.get("session_id"),
+            prompt=d.get("prompt"),
+            prompt_token_ids=d.get("prompt_token_ids"),
+        )
+
+
+@dataclass(slots=True)
+class Trace:
+    """Requests in arrival order plus where they came from and every transform applied to them.
+
+    `notes` accumulates one line per transform (sampling, time scaling, synthesis parameters), so
+    any report can state exactly what was replayed.
+    """
+
+    requests: list[TraceRequest]
+    source: str
+    format: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def block_size(self) -> int:
+        return self.requests[0].block_size if self.requests else 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s if self.requests else 0.0
+
+    def describe(self) -> str:
+        parts = [f"{Path(self.source).name} ({self.format}, {len(self.requests)} requests)"]
+        return "; ".join(parts + self.notes)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "format": self.format,
+            "requests": len(self.requests),
+            "duration_s": round(self.duration_s, 3),
+            "block_size": self.block_size,
+            "notes": list(self.notes),
+        }
+
+    def replace(self, requests: list[TraceRequest], note: str | None = None) -> Trace:
+        return Trace(requests, self.source, self.format, [*self.notes, *([note] if note else [])])
+
+
+def write_jsonl(path: str | Path, trace: Trace) -> None:
+    """Write a trace in the normalized JSONL (header line, then one request per line)."""
+    with open(path, "w", encoding="utf-8") as f:
+        header = {"kvgate_trace": SCHEMA_VERSION, **trace.meta()}
+        f.write(json.dumps(header) + "\n")
+        for r in trace.requests:
+            f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
+
+
+def read_jsonl(path: str | Path) -> Trace:
+    """Read a normalized JSONL trace (header optional), validating every request."""
+    reqs: list[TraceRequest] = []
+    source, fmt, notes = str(path), "kvgate", []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if "kvgate_trace" in d:
+                if d["kvgate_trace"] != SCHEMA_VERSION:
+                    raise ValueError(f"{path}: schema version {d['kvgate_trace']} not supported")
+                fmt = f"kvgate (from {d.get('format', '?')})"
+                notes = list(d.get("notes") or [])
+                continue
+            try:
+                r = TraceRequest.from_json(d)
+                r.validate()
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            reqs.append(r)
+    return Trace(sort_requests(reqs), source, fmt, notes)
+
+
+def sort_requests(reqs: list[TraceRequest]) -> list[TraceRequest]:
+    """Stable sort by arrival: converters interleave sessions, replays need time order."""
+    return sorted(reqs, key=lambda r: r.arrival_s)
+
+
+# ==================================================================================================
+# Converters
+# ==================================================================================================
+
+
+def from_mooncake(path: str | Path) -> Trace:
+    """Mooncake JSONL: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512 tokens).
+
+    Ids are global to the file (a flattened prefix tree), so they stay plain ints.
+    """
+    reqs = [
+        TraceRequest(
+            arrival_s=rec.arrival_s,
+            request_id=f"mooncake-{i}",
+            input_length=rec.input_length,
+            output_length=rec.output_length,
+            block_size=MOONCAKE_BLOCK_TOKENS,
+            block_ids=list(rec.hash_ids),
+        )
+        for i, rec in enumerate(load_mooncake(path))
+    ]
+    for r in reqs:
+        r.validate()
+    return Trace(sort_requests(reqs), str(path), "mooncake")
+
+
+def _segment_block_ids(segments: Sequence[tuple[str, int]], block_size: int) -> list[int]:
+    """Block ids for a prompt made of named segments (key, tokens), e.g. system prompt + question.
+
+    Id i is a chained hash of the segment pieces inside block i and id i-1, so two prompts get
+    equal ids exactly as far as they are built of the same segments in the same order: a block
+    straddling a shared system prompt and a per-request question is unique, as on a real engine.
+    Ids are unsigned 63-bit ints (JSON-safe in most readers, compact in the JSONL).
+    """
+    total = sum(n for _, n in segments)
+    starts: list[int] = []
+    pos = 0
+    for _, n in segments:
+        starts.append(pos)
+        pos += n
+    ids: list[int] = []
+    parent = 0
+    nblocks = -(-total // block_size)
+    seg = 0
+    for b in range(nblocks):
+        lo, hi = b * block_size, min((b + 1) * block_size, total)
+        h = xxhash.xxh3_64(parent.to_bytes(8, "little"))
+        while seg < len(segments) and starts[seg] + segments[seg][1] <= lo:
+            seg += 1
+        s = seg
+        while s < len(segments) and starts[s] < hi:
+            key, n = segments[s]
+            a, z = max(lo, starts[s]) - starts[s], min(hi, starts[s] + n) - starts[s]
+            h.update(f"{key}\x00{a}\x00{z}\x01".encode())
+            s += 1
+        parent = h.intdigest() >> 1
+        ids.append(parent)
+    return ids
+
+
+def _zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (k + 1) ** s for k in range(n)]
+
+
+def _parse_azure_time(text: str) -> float:
+    """`2023-11-16 18:17:03.9799600` -> POSIX seconds (7 fractional digits: parsed by hand)."""
+    text = text.strip()
+    base, _, frac = text.partition(".")
+    t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").timestamp()
+    return t + (float("0." + frac) if frac else 0.0)
+
+
+@dataclass(slots=True, frozen=True)
+class AzurePrefixModel:
+    """How shared prefixes are synthesized for the Azure trace, which records none.
+
+    Each request belongs to one of `tenants` tenants drawn with Zipf(`zipf_s`) popularity (tenant 0
+    the most popular); tenant k has a system prompt of `sys_min..sys_max` tokens (log-uniform,
+    drawn once per tenant). A request's prompt is the first min(system prompt, `max_share` x its
+    context) tokens of its tenant's system prompt followed by unique tokens. Everything is drawn
+    from `seed`, so one seed is one synthetic trace.
+    """
+
+    tenants: int = 32
+    zipf_s: float = 1.0
+    sys_min: int = 256
+    sys_max: int = 4096
+    max_share: float = 0.9
+    block_size: int = 64
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"azure prefixes synthesized: {self.tenants} tenants, Zipf s={self.zipf_s}, system "
+            f"prompts {self.sys_min}-{self.sys_max} tokens (log-uniform), at most "
+            f"{self.max_share:.0%} of a prompt shared, block {self.block_size}, seed {self.seed}"
+        )
+
+
+def from_azure(path: str | Path, model: AzurePrefixModel | None = None) -> Trace:
+    """Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+
+    Arrivals and lengths are real; prefixes are synthesized by `AzurePrefixModel` (documented
+    there and recorded in the trace notes) because the trace has no prefix information.
+    """
+    m = model or AzurePrefixModel()
+    rng = random.Random(m.seed)
+    lo, hi = math.log(m.sys_min), math.log(m.sys_max)
+    sys_len = [round(math.exp(rng.uniform(lo, hi))) for _ in range(m.tenants)]
+    cum = list(np.cumsum(_zipf_weights(m.tenants, m.zipf_s)))
+    rows: list[tuple[float, int, int]] = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        if [h.strip() for h in header[:3]] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+            raise ValueError(f"{path}: not an Azure trace header: {header}")
+        for row in reader:
+            if row:
+                rows.append((_parse_azure_time(row[0]), int(row[1]), int(row[2])))
+    t0 = min((r[0] for r in rows), default=0.0)
+    reqs = []
+    for i, (t, ctx, gen) in enumerate(rows):
+        ctx = max(1, ctx)
+        k = bisect.bisect_left(cum, rng.random() * cum[-1])
+        shared = min(sys_len[k], int(ctx * m.max_share))
+        segments = [(f"az-sys-{m.seed}-{k}", shared), (f"az-req-{i}", ctx - shared)]
+        reqs.append(
+            TraceRequest(
+                arrival_s=t - t0,
+                request_id=f"azure-{i}",
+                input_length=ctx,
+                output_length=max(0, gen),
+                block_size=m.block_size,
+                block_ids=list(_segment_block_ids([s for s in segments if s[1]], m.block_size)),
+                tenant=f"tenant-{k}",
+            )
+        )
+    return Trace(sort_requests(reqs), str(path), "azure", [m.describe()])
+
+
+def from_weka(paths: str | Path | Sequence[str | Path], stagger_s: float = 60.0) -> Trace:
+    """Agentic session JSON files (one session per file, ids local to the file).
+
+    Each file is a session (`session_id` = the file's `id`), its ids are scoped by that id (two
+    sessions' id 7 are unrelated), a sub-agent is its own session (`<id>/<agent_id>`) that starts at
+    the parent's time plus its `t` and shares the file's id scope. Files carry no absolute start
+    time, so session k (sorted by file name) starts at k x `stagger_s`.
+    """
+    files = _weka_files(paths)
+    reqs: list[TraceRequest] = []
+    for k, fp in enumerate(files):
+        d = json.loads(Path(fp).read_text(encoding="utf-8"))
+        sid = str(d.get("id") or Path(fp).stem)
+        bs = int(d["block_size"])
+        _weka_session(reqs, d["requests"], sid, sid, bs, k * stagger_s)
+    for r in reqs:
+        r.validate()
+    notes = [f"{len(files)} sessions staggered by {stagger_s:g} s, ids scoped per file"]
+    src = str(paths) if isinstance(paths, str | Path) else f"{len(files)} files"
+    return Trace(sort_requests(reqs), src, "weka-agentic", notes)
+
+
+def _weka_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    if isinstance(paths, str | Path):
+        p = Path(paths)
+        return sorted(p.glob("*.json")) if p.is_dir() else [p]
+    return sorted(Path(p) for p in paths)
+
+
+def _weka_session(
+    out: list[TraceRequest],
+    requests: list[dict[str, Any]],
+    scope: str,
+    session: str,
+    bs: int,
+    start: float,
+) -> None:
+    n = 0
+    for r in requests:
+        if r.get("type") == "subagent":
+            sub = f"{session}/{r.get('agent_id', len(out))}"
+            _weka_session(out, r.get("requests", []), scope, sub, bs, start + float(r["t"]))
+            continue
+        out.append(
+            TraceRequest(
+                arrival_s=start + float(r["t"]),
+                request_id=f"{session}#{n}",
+                input_length=int(r["in"]),
+                output_length=int(r["out"]),
+                block_size=bs,
+                block_ids=[f"{scope}:{h}" for h in r["hash_ids"]],
+                tenant=scope,
+                session_id=session,
+            )
+        )
+        n += 1
+
+
+@dataclass(slots=True, frozen=True)
+class SyntheticSpec:
+    """A shared-prefix workload: groups x users, each group with its own system prompt.
+
+    Requests arrive as a Poisson process at `rate` req/s; each picks a group with Zipf(`zipf_s`)
+    popularity (0 = uniform) and a user in it uniformly. The prompt is the group's system prompt
+    (`system_tokens`) then a fresh `question_tokens` question; with `multi_turn` the user's earlier
+    questions and answers come in between (a growing conversation, `session_id` per user). This is
+    the llm-d / SGLang shared-prefix benchmark shape (150 groups x 5 users, 6k system prompts).
+    """
+
+    groups: int = 150
+    users: int = 5
+    system_tokens: int = 6000
+    question_tokens: int = 1200
+    output_tokens: int = 200
+    zipf_s: float = 0.0
+    rate: float = 10.0
+    num_requests: int = 2000
+    multi_turn: bool = False
+    block_size: int = 64
+    seed: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"synthetic: {self.groups} groups x {self.users} users, system {self.system_tokens} + "
+            f"question {self.question_tokens} tokens, output {self.output_tokens}, Zipf "
+            f"s={self.zipf_s}, Poisson {self.rate:g} req/s, {self.num_requests} requests"
+            f"{', multi-turn' if self.multi_turn else ''}, block {self.block_size}, "
+            f"seed {self.seed}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> SyntheticSpec:
+        """`synthetic:groups=8,users=4,rate=5` -> a spec (unknown keys fail loudly)."""
+        body = text.split(":", 1)[1] if ":" in text else ""
+        kw: dict[str, Any] = {}
+        known = cls.__dataclass_fields__
+        for part in filter(None, (p.strip() for p in body.split(","))):
+            k, _, v = part.partition("=")
+            k = k.strip().replace("-", "_")
+            if k not in known:
+                raise ValueError(f"unknown synthetic parameter {k!r}; known: {sorted(known)}")
+            typ = type(getattr(cls(), k))
+            kw[k] = v.strip().lower() in ("1", "true", "yes") if typ is bool else typ(v)
+        return cls(**kw)
+
+
+def synthetic(spec: SyntheticSpec) -> Trace:
+    """Generate the shared-prefix workload described by `spec` (deterministic for its seed)."""
+    rng = random.Random(spec.seed)
+    cum = list(np.cumsum(_zipf_weights(spec.groups, spec.zipf_s)))
+    history: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    t = 0.0
+    reqs = []
+    for i in range(spec.num_requests):
+        t += rng.expovariate(spec.rate) if spec.rate > 0 else 0.0
+        g = bisect.bisect_left(cum, rng.random() * cum[-1])
+        u = rng.randrange(spec.users)
+        past = history.setdefault((g, u), []) if spec.multi_turn else []
+        segments = [
+            (f"syn-sys-{spec.seed}-{g}", spec.system_tokens),
+            *past,
+            (f"syn-q-{spec.seed}-{i}", spec.question_tokens),
+        ]
+        segments = [s for s in segments if s[1] > 0]
+        total = sum(n for _, n in segments)
+        reqs.append(
+            TraceRequest(
+                arrival_s=t,
+                request_id=f"syn-{i}",
+                input_length=total,
+                output_length=spec.output_tokens,
+                block_size=spec.block_size,
+                block_ids=list(_segment_block_ids(segments, spec.block_size)),
+                tenant=f"group-{g}",
+                session_id=f"g{g}-u{u}",
+            )
+        )
+        if spec.multi_turn:
+            past += [segments[-1], (f"syn-a-{spec.seed}-{i}", spec.output_tokens)]
+    return Trace(reqs, "synthetic", "synthetic", [spec.describe()])
+
+
+def detect_format(path: str | Path) -> str:
+    """`mooncake` | `azure` | `weka-agentic` | `kvgate` | `synthetic`, from the file's content."""
+    text = str(path)
+    if text.startswith("synthetic"):
+        return "synthetic"
+    p = Path(path)
+    if p.is_dir():
+        if any(p.glob("*.json")):
+            return "weka-agentic"
+        raise ValueError(f"{p}: a directory without *.json session files")
+    with open(p, encoding="utf-8") as f:
+        head = f.read(4096)
+    first = head.lstrip().split("\n", 1)[0].strip()
+    if first.upper().startswith("TIMESTAMP,"):
+        return "azure"
+    if first.startswith("{"):
+        try:
+            d = json.loads(first)
+        except json.JSONDecodeError:  # one big (pretty-printed or long) object: a session file
+            d = None
+        if isinstance(d, dict):
+            if "kvgate_trace" in d or ("arrival_s" in d and "input_length" in d):
+                return "kvgate"
+            if "hash_ids" in d and "timestamp" in d:
+                return "mooncake"
+            if "requests" in d and "block_size" in d:
+                return "weka-agentic"
+        if '"requests"' in head and '"block_size"' in head:
+            return "weka-agentic"
+    raise ValueError(f"{p}: cannot tell the trace format from its content")
+
+
+def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trace:
+    """Any supported trace, format detected unless given. `options` go to the converter."""
+    fmt = fmt or detect_format(path)
+    if fmt == "mooncake":
+        return from_mooncake(path)
+    if fmt == "azure":
+        return from_azure(path, AzurePrefixModel(**options) if options else None)
+    if fmt == "weka-agentic":
+        return from_weka(path, **options)
+    if fmt == "kvgate":
+        return read_jsonl(path)
+    if fmt == "synthetic":
+        spec = SyntheticSpec.parse(str(path))
+        return synthetic(spec)
+    raise ValueError(f"unknown trace format {fmt!r}")
+
+
+# ==================================================================================================
+# Sampling and time
+# ==================================================================================================
+
+
+def sample(
+    trace: Trace, amount: float, seed: int = 0, by: str = "auto", keep_times: bool = True
+) -> Trace:
+    """A seeded random subset, in time order: `amount` <= 1 is a fraction, > 1 a count.
+
+    The unit sampled decides what sharing survives: `by="session"` keeps or drops whole sessions
+    (a conversation cut in the middle loses the prefix sharing it is replayed for), `"prefix"`
+    whole prefix families (requests whose first block is the same: Mooncake's shared documents),
+    `"request"` single requests (which thins every family and so the hit-rate bound). `"auto"`
+    picks session when every request has one, else prefix when block ids exist.
+    A count counts units (sessions, families or requests). Arrival times are kept, so a fraction
+    also scales the rate (stated in the note); `keep_times=False` re-bases the sample at 0.
+    """
+    reqs = trace.requests
+    if amount <= 0:
+        raise ValueError("sample must be > 0")
+    if by == "auto":
+        if reqs and all(r.session_id for r in reqs):
+            by = "session"
+        elif reqs and any(r.full_blocks for r in reqs):
+            by = "prefix"
+        else:
+            by = "request"
+    rng = random.Random(seed)
+    if by in ("session", "prefix"):
+        unit = _session_unit if by == "session" else _prefix_unit
+        units = sorted({unit(r) for r in reqs}, key=str)
+        k = _amount(amount, len(units))
+        keep = set(rng.sample(units, k))
+        out = [r for r in reqs if unit(r) in keep]
+        what = f"{k} of {len(units)} {'sessions' if by == 'session' else 'prefix families'}"
+    elif by == "request":
+        k = _amount(amount, len(reqs))
+        idx = sorted(rng.sample(range(len(reqs)), k))
+        out = [reqs[i] for i in idx]
+        what = f"{k} of {len(reqs)} requests"
+    else:
+        raise ValueError(f"sample by 'request' or 'session', not {by!r}")
+    if not keep_times and out:
+        t0 = out[0].arrival_s
+        out = [_with_time(r, r.arrival_s - t0) for r in out]
+    return trace.replace(out, f"sample: {what} (seed {seed})")
+
+
+def _session_unit(r: TraceRequest) -> str:
+    return r.session_id or r.request_id
+
+
+def _prefix_unit(r: TraceRequest) -> str:
+    return str(r.block_ids[0]) if r.full_blocks else r.request_id
+
+
+def _amount(amount: float, n: int) -> int:
+    k = round(amount * n) if amount <= 1 else int(amount)
+    return max(1, min(n, k))
+
+
+def head(trace: Trace, n: int) -> Trace:
+    """The first n requests (a time window that keeps every prefix relation inside it)."""
+    return trace.replace(trace.requests[:n], f"first {min(n, len(trace.requests))} requests")
+
+
+def window(trace: Trace, start_s: float, duration_s: float) -> Trace:
+    """Requests arriving in [start, start + duration), re-based to start at 0."""
+    out = [
+        _with_time(r, r.arrival_s - start_s)
+        for r in trace.requests
+        if start_s <= r.arrival_s < start_s + duration_s
+    ]
+    return trace.replace(out, f"window {start_s:g}-{start_s + duration_s:g} s")
+
+
+def scale_time(trace: Trace, time_scale: float) -> Trace:
+    """Multiply every arrival time by `time_scale` (0.5 = twice the request rate)."""
+    if time_scale <= 0:
+        raise ValueError("time scale must be > 0")
+    if time_scale == 1.0:
+        return trace
+    out = [_with_time(r, r.arrival_s * time_scale) for r in trace.requests]
+    return trace.replace(out, f"time scale x{time_scale:g} (rate x{1 / time_scale:.3g})")
+
+
+def cap_output(trace: Trace, max_tokens: int) -> Trace:
+    """Clamp output lengths: on a small machine an HTTP replay's cost is its SSE events."""
+    out = []
+    for r in trace.requests:
+        if r.output_length > max_tokens:
+            r = _with_time(r, r.arrival_s)
+            r.output_length = max_tokens
+        out.append(r)
+    return trace.replace(out, f"outputs capped at {max_tokens} tokens")
+
+
+def retime_gamma(trace: Trace, rate: float, burstiness: float = 1.0, seed: int = 0) -> Trace:
+    """Replace arrival times by a gamma renewal process at `rate` req/s, as `vllm bench serve`.
+
+    `burstiness` is the gamma shape: 1 is Poisson, < 1 burstier, > 1 more regular; the mean gap
+    stays 1/rate. Request order is kept.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("rate and burstiness must be > 0")
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), len(trace.requests))
+    times = np.concatenate([[0.0], np.cumsum(gaps)[:-1]]) if len(gaps) else gaps
+    out = [_with_time(r, float(t)) for r, t in zip(trace.requests, times, strict=True)]
+    return trace.replace(out, f"gamma arrivals {rate:g} req/s, burstiness {burstiness:g}")
+
+
+def _with_time(r: TraceRequest, t: float) -> TraceRequest:
+    return TraceRequest(
+        t,
+        r.request_id,
+        r.input_length,
+        r.output_length,
+        r.block_size,
+        r.block_ids,
+        r.tenant,
+        r.session_id,
+        r.prompt,
+        r.prompt_token_ids,
+    )
+
+
+# ==================================================================================================
+# Prompts and keys
+# ==================================================================================================
+
+
+def _id_key(block_id: BlockId) -> tuple[str, str]:
+    """(scope, id) for the pool mapping: ints keep the legacy empty scope (tokens_for_blocks)."""
+    if isinstance(block_id, int):
+        return "", str(block_id)
+    return "\x01s", block_id
+
+
+def prompt_token_ids(req: TraceRequest) -> list[int]:
+    """The request's prompt as exactly `input_length` token ids in [1000, 50000).
+
+    Identical block ids give identical tokens (an int id gives what `tokens_for_blocks` gives);
+    tokens past the last id are drawn from the request id, so they are unique to the request.
+    """
+    if req.prompt_token_ids is not None:
+        return list(req.prompt_token_ids)
+    bs = req.block_size
+    n = req.input_length
+    pool = _get_pool(bs)
+    ids = req.block_ids[: -(-n // bs)]
+    parts = [_block(pool, *_id_key(h), bs) for h in ids]
+    covered = len(ids) * bs
+    if covered < n:
+        parts.append(_block(pool, "\x02tail", req.request_id, n - covered))
+    tokens = np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
+    tokens %= TOKEN_HIGH - TOKEN_LOW
+    tokens += TOKEN_LOW
+    return tokens.tolist()
+
+
+def prompt_text(req: TraceRequest) -> str:
+    """A text prompt of `input_length` common English words, each one token on the simulated
+    tokenizer and almost always one on real BPE vocabularies (" the", " of", ...).
+
+    For chat replays: the worker adds its chat template's tokens, so `usage.prompt_tokens`
+    exceeds `input_length` by a few tokens (replay checks it within a tolerance).
+    """
+    if req.prompt is not None:
+        return req.prompt
+    from workers.sim.tokenizer import VOCAB
+
+    return "".join([VOCAB[t % len(VOCAB)] for t in prompt_token_ids(req)])
+
+
+def chain_keys(req: TraceRequest, root: int = 0) -> list[int]:
+    """Chained 64-bit keys of the request's full blocks: key i names block i *and* its prefix.
+
+    The same kind of key as scoring.prefix builds for the gateway (xxh3-64 chained through the
+    seed), so a routing index can be fed straight from a trace without materialising prompts.
+    """
+    out = []
+    parent = root
+    h64 = xxhash.xxh3_64_intdigest
+    for b in req.block_ids[: req.full_blocks]:
+        data = (b & _MASK64).to_bytes(8, "little") if isinstance(b, int) else b"\x01" + b.encode()
+        parent = h64(data, seed=parent)
+        out.append(parent)
+    return out
+
+
+# ==================================================================================================
+# The infinite-cache bound
+# ==================================================================================================
+
+
+@dataclass(slots=True, frozen=True)
+class CacheBound:
+    """What one worker with an unbounded prefix cache would hit: the ceiling for any router.
+
+    A block hits when the same block at the same prefix was a *full* block of an earlier request
+    (vLLM caches full blocks only); per request at most `input_length - 1` tokens hit (vLLM always
+    computes the last prompt token). Counted at trace-block granularity: an engine with smaller
+    blocks can slightly exceed it by reusing the full engine blocks of an earlier partial block.
+    """
+
+    hit_tokens: int
+    prompt_tokens: int
+    hit_blocks: int
+    blocks: int
+    requests: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_hit_rate": self.token_hit_rate,
+            "block_hit_rate": self.block_hit_rate,
+            "hit_tokens": self.hit_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_blocks": self.hit_blocks,
+            "blocks": self.blocks,
+            "requests": self.requests,
+        }
+
+
+def cache_bound(requests: Iterable[TraceRequest], capacity_tokens: int | None = None) -> CacheBound:
+    """The infinite-cache bound of a trace, in arrival order (see `CacheBound`).
+
+    With `capacity_tokens`, the same single cache limited to that many tokens with LRU eviction
+    (blocks touched tail first, so a prefix outlives its extensions, as in vLLM). Given the whole
+    fleet's KV capacity it is the *pooled-cache reference*: what a router could hit if the fleet
+    were one big cache and it never duplicated a block. It is not a strict bound (LRU is not the
+    optimal eviction), but it separates "the router misplaces prefixes" from "the fleet is too
+    small for this trace's working set", which the infinite bound cannot.
+    """
+    seen: OrderedDict[int, None] | set[int] = OrderedDict() if capacity_tokens else set()
+    hit_tokens = prompt = hit_blocks = blocks = n = 0
+    for r in requests:
+        keys = chain_keys(r)
+        cap = (r.input_length - 1) // r.block_size
+        matched = 0
+        for k in keys[:cap]:
+            if k not in seen:
+                break
+            matched += 1
+        hit_tokens += matched * r.block_size
+        hit_blocks += matched
+        blocks += len(keys)
+        prompt += r.input_length
+        if isinstance(seen, OrderedDict):
+            limit = max(0, capacity_tokens or 0) // r.block_size
+            for k in reversed(keys):
+                seen[k] = None
+                seen.move_to_end(k)
+            while len(seen) > limit:
+                seen.popitem(last=False)
+        else:
+            seen.update(keys)
+        n += 1
+    return CacheBound(hit_tokens, prompt, hit_blocks, blocks, n)
+
+
+# ==================================================================================================
+# CLI: convert, describe, synthesize
+# ==================================================================================================
+
+
+def _summary(trace: Trace) -> dict[str, Any]:
+    reqs = trace.requests
+    b = cache_bound(reqs)
+    ins = sorted(r.input_length for r in reqs) or [0]
+    outs = sorted(r.output_length for r in reqs) or [0]
+    return {
+        **trace.meta(),
+        "rate_req_s": round(len(reqs) / trace.duration_s, 3) if trace.duration_s else None,
+        "tenants": len({r.tenant for r in reqs}),
+        "sessions": len({r.session_id for r in reqs if r.session_id}),
+        "input_tokens": {"mean": round(sum(ins) / len(ins)), "p50": ins[len(ins) // 2]},
+        "output_tokens": {"mean": round(sum(outs) / len(outs)), "p50": outs[len(outs) // 2]},
+        "bound": b.to_json(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.traces", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="any supported trace -> normalized JSONL")
+    c.add_argument("trace", help="file, weka session directory, or synthetic:k=v,...")
+    c.add_argument("--out", required=True, type=Path)
+    c.add_argument("--format", default=None, help="skip detection")
+    c.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
+    c.add_argument("--time-scale", type=float, default=1.0)
+    c.add_argument("--seed", type=int, default=0)
+    i = sub.add_parser("info", help="counts, lengths and the infinite-cache bound of a trace")
+    i.add_argument("trace")
+    i.add_argument("--format", default=None)
+    args = p.parse_args(argv)
+    trace = load_trace(args.trace, args.format)
+    if args.cmd == "convert":
+        if args.sample:
+            trace = sample(trace, args.sample, args.seed)
+        trace = scale_time(trace, args.time_scale)
+        write_jsonl(args.out, trace)
+        print(f"wrote {len(trace.requests)} requests to {args.out}")
+    else:
+        json.dump(_summary(trace), sys.stdout, indent=2)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,765 @@
+"""Side-by-side: the same trace sample through kvgate (each policy), the peer routers and direct to
+one worker, against the same simulated fleet, in one run.
+
+    python -m bench.compare                     # Mooncake sample, 8 workers, everything
+    python -m bench.compare --peers none --policies round_robin,kv_aware --sample 0.03
+
+For each target, in turn: a fresh simulated fleet (`kvgate sim` in a subprocess, so every router
+starts from empty caches), the router (`kvgate serve` with a generated config, or a peer from its
+own virtualenv under `.build/peers/`, installed on first use), one warm-up request, then the open
+loop HTTP replay (`bench.replay`) of the same trace sample, then the workers' own counters
+(`vllm:request_success_total`, `vllm:prefix_cache_*`) for per-worker load and hit rates, which every
+router is measured by alike. A peer that cannot be installed or started is reported as skipped,
+with the reason. Everything binds 127.0.0.1.
+
+Defaults are sized for a 2-core machine and the 15-minute budget: a ~5% sample of the Mooncake
+trace by prefix family (whole families of requests sharing a document, so the sample keeps the
+trace's sharing: its infinite-cache bound stays ~0.65), compressed to ~45 s, on 8 workers whose
+modelled GPU is 2x slower than the default profile (`--gpu-slowdown 2`): the fleet sees the load
+of a 2x faster arrival rate while the CPU that runs the simulator, the router and the client sees
+half the HTTP traffic. The offline simulator's prediction for the same sample and fleet is printed
+next to the HTTP numbers (`--no-predict` skips it).
+
+Writes `<out>/compare.md`, `compare.json`, `ttft_cdf.png`, `hit_rate.png`, `worker_load.png`, and
+every process's log under `<out>/logs/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from bench.metrics import SLO, balance, dist, machine
+from bench.replay import ReplayOptions, parse_goodput, run_replay
+from bench.simulate import FleetSpec, PolicySpec, simulate_policy, split_policies
+from bench.traces import Trace, cache_bound, cap_output, head, load_trace, sample, scale_time
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared/traces/mooncake/synthetic_trace.jsonl"
+PEERS_DIR = ROOT / ".build" / "peers"
+MODEL = "sim-llama"
+HOST = "127.0.0.1"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# ==================================================================================================
+# Processes and ports
+# ==================================================================================================
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports on 127.0.0.1 (`kvgate sim` takes consecutive ports)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind((HOST, p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free consecutive ports")
+
+
+@dataclass
+class Proc:
+    """A child process in its own session, so stopping it stops everything it started."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(8)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def tail(self, n: int = 6) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return _ANSI.sub("", " | ".join(lines[-n:]))[-600:]
+
+
+def start(name: str, argv: list[str], logs: Path, env: dict[str, str] | None = None) -> Proc:
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    f = open(log, "wb")  # noqa: SIM115 - handed to the child, closed with the process
+    popen = subprocess.Popen(
+        argv,
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    f.close()
+    return Proc(name, popen, log)
+
+
+def wait_for(check: Callable[[], bool], proc: Proc, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            raise RuntimeError(f"{what}: process exited ({proc.popen.returncode}): {proc.tail()}")
+        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
+            if check():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not ready after {timeout:.0f} s: {proc.tail()}")
+        time.sleep(0.2)
+
+
+# ==================================================================================================
+# The fleet, kvgate and the peers
+# ==================================================================================================
+
+
+@dataclass(slots=True, frozen=True)
+class SimFleet:
+    """How `kvgate sim` is started for every target (identical each time)."""
+
+    workers: int = 8
+    num_blocks: int = 16384
+    block_size: int = 16
+    profile: str = "default"
+    gpu_slowdown: float = 2.0
+    max_model_len: int = 262144
+
+    def argv(self, port: int) -> list[str]:
+        return [
+            *(sys.executable, "-m", "gateway.cli", "sim"),
+            *("--host", HOST, "--port", str(port), "--workers", str(self.workers)),
+            *("--model", MODEL, "--profile", self.profile, "--time-scale", str(self.gpu_slowdown)),
+            *("--num-blocks", str(self.num_blocks), "--block-size", str(self.block_size)),
+            *("--max-model-len", str(self.max_model_len)),
+        ]
+
+    def spec(self) -> FleetSpec:
+        """The same fleet for the offline prediction."""
+        return FleetSpec(
+            workers=self.workers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            profile=self.profile,
+            profile_scale=self.gpu_slowdown,
+            max_model_len=self.max_model_len,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.workers} simulated workers, profile {self.profile} x{self.gpu_slowdown:g} "
+            f"slower, {self.num_blocks} blocks x {self.block_size} tokens"
+        )
+
+
+def start_fleet(fleet: SimFleet, logs: Path, tag: str) -> tuple[Proc, list[str]]:
+    port = free_ports(fleet.workers)
+    proc = start(f"sim-{tag}", fleet.argv(port), logs)
+    urls = [f"http://{HOST}:{port + i}" for i in range(fleet.workers)]
+    pending = set(urls)
+
+    def healthy() -> bool:
+        for u in list(pending):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(u + "/health", timeout=1.0).status_code == 200:
+                    pending.discard(u)
+        return not pending
+
+    wait_for(healthy, proc, 60, "simulated fleet")
+    return proc, urls
+
+
+def kvgate_config(spec: PolicySpec, port: int, urls: list[str]) -> str:
+    """A minimal open (no tenants) gateway config for one policy variant, as TOML text."""
+    lines = [
+        "[server]",
+        f'host = "{HOST}"',
+        f"port = {port}",
+        "max_body_bytes = 16777216",
+        "[logging]",
+        'level = "warning"',
+        "requests = false",
+        "[probes]",
+        "interval_s = 0.5",
+        "[timeouts]",
+        "first_byte_s = 600",
+        "idle_s = 120",
+        "total_s = 1200",
+        "[routing]",
+        f'policy = "{spec.name}"',
+    ]
+    if spec.weights:
+        lines.append("[routing.weights]")
+        lines += [f"{k} = {v!r}" for k, v in spec.weights]
+    if spec.options:
+        lines.append("[routing.options]")
+        lines += [f"{k} = {v!r}" for k, v in spec.options]
+    for i, u in enumerate(urls):
+        lines += ["[[workers]]", f'name = "w{i}"', f'url = "{u}"']
+    return "\n".join(lines) + "\n"
+
+
+def start_kvgate(spec: PolicySpec, urls: list[str], logs: Path, tag: str) -> tuple[Proc, str]:
+    port = free_ports(1)
+    cfg = logs / f"kvgate-{tag}.toml"
+    logs.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(kvgate_config(spec, port, urls), encoding="utf-8")
+    proc = start(
+        f"kvgate-{tag}", [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], logs
+    )
+    url = f"http://{HOST}:{port}"
+
+    def ready() -> bool:
+        r = httpx.get(url + "/ready", timeout=1.0)
+        return r.status_code == 200 and r.json().get("healthy_workers") == len(urls)
+
+    wait_for(ready, proc, 60, "kvgate")
+    return proc, url
+
+
+@dataclass(slots=True, frozen=True)
+class Peer:
+    """An installable peer router (see ../shared/reference/peers.md), bound to 127.0.0.1."""
+
+    name: str
+    package: str
+    check: str  # a python -c snippet that fails when the install is broken
+    argv: Callable[[Path, int, int, list[str]], list[str]]
+
+
+PEERS: dict[str, Peer] = {
+    "sglang-router": Peer(
+        "sglang-router",
+        "sglang-router",
+        "import sglang_router",
+        lambda venv, port, prom, urls: [
+            *(str(venv / "bin" / "python"), "-m", "sglang_router.launch_router"),
+            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
+            *("--policy", "cache_aware", "--prometheus-host", HOST),
+            *("--prometheus-port", str(prom), "--log-level", "warn"),
+        ],
+    ),
+    "vllm-router": Peer(
+        "vllm-router",
+        "vllm-router",
+        "import shutil, sys; sys.exit(shutil.which('vllm-router') is None)",
+        lambda venv, port, prom, urls: [
+            str(venv / "bin" / "vllm-router"),
+            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
+            *("--prometheus-host", HOST, "--prometheus-port", str(prom)),
+        ],
+    ),
+    "smg": Peer(
+        "smg",
+        "smg",
+        "import shutil, sys; sys.exit(shutil.which('smg') is None)",
+        lambda venv, port, prom, urls: [
+            *(str(venv / "bin" / "smg"), "launch"),
+            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
+            *("--policy", "cache_aware", "--prometheus-host", HOST),
+            *("--prometheus-port", str(prom)),
+        ],
+    ),
+}
+
+
+def ensure_peer(peer: Peer, timeout: float = 600.0) -> tuple[Path | None, str]:
+    """The peer's virtualenv, installing it on first use; (None, reason) when that fails."""
+    venv = PEERS_DIR / peer.name
+    py = venv / "bin" / "python"
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}"}
+
+    def works() -> bool:
+        if not py.exists():
+            return False
+        r = subprocess.run([str(py), "-c", peer.check], env=env, capture_output=True, timeout=60)
+        return r.returncode == 0
+
+    if works():
+        return venv, "installed"
+    PEERS_DIR.mkdir(parents=True, exist_ok=True)
+    log = PEERS_DIR / f"{peer.name}.install.log"
+    try:
+        with open(log, "wb") as f:
+            subprocess.run(
+                [sys.executable, "-m", "venv", "--clear", str(venv)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=120,
+            )
+            subprocess.run(
+                [str(py), "-m", "pip", "install", "--quiet", peer.package],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                check=True,
+                timeout=timeout,
+            )
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+        return None, f"pip install {peer.package} failed: {e}; {' | '.join(tail)}"[:500]
+    if not works():
+        return None, f"{peer.package} installed but `{peer.check}` fails"
+    return venv, "installed now"
+
+
+def start_peer(peer: Peer, venv: Path, urls: list[str], logs: Path) -> tuple[Proc, str]:
+    port, prom = free_ports(1), free_ports(1)
+    while prom == port:
+        prom = free_ports(1)
+    env = {"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
+    proc = start(peer.name, peer.argv(venv, port, prom, urls), logs, env)
+    url = f"http://{HOST}:{port}"
+    wait_for(lambda: warm(url), proc, 90, peer.name)
+    return proc, url
+
+
+def warm(url: str) -> bool:
+    """One tiny real completion through the router: ready means it routes, not just listens."""
+    body = {"model": MODEL, "prompt": " the of and to", "max_tokens": 1, "stream": False}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=10.0)
+    return r.status_code == 200
+
+
+# ==================================================================================================
+# Measuring the workers
+# ==================================================================================================
+
+
+def scrape(urls: list[str]) -> list[dict[str, float]]:
+    """Per worker: finished requests, prefix-cache queries/hits, preemptions (vLLM's counters)."""
+    out = []
+    for u in urls:
+        text = httpx.get(u + "/metrics", timeout=5.0).text
+        m = {"requests": 0.0, "queries": 0.0, "hits": 0.0, "preemptions": 0.0}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            key = name.split("{", 1)[0]
+            if key == "vllm:request_success_total":
+                m["requests"] += float(value)
+            elif key == "vllm:prefix_cache_queries_total":
+                m["queries"] += float(value)
+            elif key == "vllm:prefix_cache_hits_total":
+                m["hits"] += float(value)
+            elif key == "vllm:num_preemptions_total":
+                m["preemptions"] += float(value)
+        out.append(m)
+    return out
+
+
+def diff(after: list[dict[str, float]], before: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: a[k] - b.get(k, 0.0) for k in a} for a, b in zip(after, before, strict=True)]
+
+
+# ==================================================================================================
+# One target
+# ==================================================================================================
+
+
+@dataclass
+class Target:
+    name: str
+    kind: str  # kvgate | peer | direct
+    spec: PolicySpec | None = None
+    peer: Peer | None = None
+    status: str = "pending"  # ok | skipped | failed
+    reason: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def run_target(
+    t: Target,
+    trace: Trace,
+    fleet: SimFleet,
+    opts: ReplayOptions,
+    slo: SLO,
+    logs: Path,
+    console: Console,
+    venv: Path | None,
+) -> None:
+    procs: list[Proc] = []
+    try:
+        sim, urls = start_fleet(fleet, logs, t.name.replace(":", "-"))
+        procs.append(sim)
+        if t.kind == "kvgate":
+            assert t.spec is not None
+            gw, url = start_kvgate(t.spec, urls, logs, t.spec.name)
+            procs.append(gw)
+            wait_for(lambda: warm(url), gw, 30, "kvgate warm-up")
+        elif t.kind == "peer":
+            assert t.peer is not None and venv is not None
+            pr, url = start_peer(t.peer, venv, urls, logs)
+            procs.append(pr)
+        else:
+            url = urls[0]
+            wait_for(lambda: warm(url), sim, 30, "worker warm-up")
+        before = scrape(urls)
+        res = run_replay(trace, replace(opts, url=url), slo, console=console, keep_records=True)
+        per_worker = diff(scrape(urls), before)
+        records = res.pop("records")
+        res["ttfts_s"] = [r["ttft"] for r in records if r["ok"]]
+        res["per_worker"] = per_worker
+        reqs = [w["requests"] for w in per_worker]
+        res["worker_requests"] = reqs
+        res["worker_balance"] = balance(reqs)
+        q = sum(w["queries"] for w in per_worker)
+        res["worker_hit_rate"] = sum(w["hits"] for w in per_worker) / q if q else None
+        res["preemptions"] = sum(w["preemptions"] for w in per_worker)
+        t.result = res
+        t.status = "ok"
+    except Exception as e:  # a target that cannot run is reported, the others still run
+        t.status = "failed"
+        t.reason = str(e)[:600]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+# ==================================================================================================
+# Report
+# ==================================================================================================
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1000:.3f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The table a capacity reviewer reads, headed by everything needed to reproduce it."""
+    tr = report["trace"]
+    lines = [
+        "# kvgate bench.compare",
+        "",
+        f"- trace: {tr['describe']}",
+        f"- infinite-cache bound: {tr['bound']['token_hit_rate']:.1%} of prompt tokens "
+        f"({tr['bound']['block_hit_rate']:.1%} of blocks); pooled fleet cache (LRU) "
+        f"{tr['pooled_bound']['token_hit_rate']:.1%}",
+        f"- fleet: {report['fleet_describe']} (fresh for every target)",
+        f"- replay: open loop, {report['replay']['endpoint']}, max concurrency "
+        f"{report['replay']['max_concurrency']}; goodput SLO {report['slo_describe']}",
+        f"- seed {report['seed']}; machine: {report['machine']['cpu']} x"
+        f"{report['machine']['cores']}, Python {report['machine']['python']}; "
+        f"wall {report['wall_s']:.0f} s",
+        "- latencies in seconds; hit rate = cached / prompt tokens (usage); load = max/mean "
+        "requests per worker (workers' own counters)",
+        "",
+        "| router | ok/failed | hit rate | /bound | TTFT p50 | p90 | p99 | TPOT p50 | p99 | "
+        "E2E p99 | req/s | goodput | load | predicted hit / TTFT p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    bound = tr["bound"]["token_hit_rate"]
+    for t in report["targets"]:
+        if t["status"] != "ok":
+            continue
+        r = t["result"]
+        hr = r["hit_rate"]
+        wb = r["worker_balance"]
+        pred = t.get("predicted")
+        lines.append(
+            f"| {t['name']} | {r['completed']}/{r['failed'] + r['not_sent']} | "
+            f"{'-' if hr is None else f'{hr:.1%}'} | "
+            f"{'-' if hr is None or not bound else f'{hr / bound:.2f}'} | "
+            f"{_ms(r['median_ttft_ms'])} | {_ms(r['p90_ttft_ms'])} | {_ms(r['p99_ttft_ms'])} | "
+            f"{_ms(r['median_tpot_ms'])} | {_ms(r['p99_tpot_ms'])} | {_ms(r['p99_e2el_ms'])} | "
+            f"{r['request_throughput']:.2f} | {r['request_goodput']:.2f} | "
+            f"{'-' if wb is None else f'{wb:.2f}'} | "
+            + (f"{pred['hit_rate']:.1%} / {pred['ttft']['p99']:.3f} |" if pred else "- |")
+        )
+    skipped = [t for t in report["targets"] if t["status"] != "ok"]
+    if skipped:
+        lines += ["", "Not measured:"]
+        lines += [f"- {t['name']}: {t['status']}: {t['reason']}" for t in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """TTFT CDF per router, hit rate vs the bounds, per-worker load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [t for t in report["targets"] if t["status"] == "ok"]
+    tr = report["trace"]
+    sub = textwrap.fill(
+        f"{tr['describe']} | {report['fleet_describe']} | seed {report['seed']}", 130
+    )
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t in ok:
+        v = sorted(x for x in t["result"]["ttfts_s"] if x is not None)
+        if v:
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=t["name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(sub, fontsize=7)
+    paths.append(out / "ttft_cdf.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = [t["name"] for t in ok]
+    hits = [t["result"]["hit_rate"] or 0.0 for t in ok]
+    ax.bar(names, hits, color="tab:blue")
+    ax.axhline(tr["bound"]["token_hit_rate"], color="red", ls="--", label="infinite-cache bound")
+    ax.axhline(tr["pooled_bound"]["token_hit_rate"], color="gray", ls=":", label="pooled LRU")
+    ax.set_ylabel("prefix hit rate (cached / prompt tokens)")
+    ax.set_ylim(0, 1)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.legend(fontsize=8)
+    ax.set_title(sub, fontsize=7)
+    paths.append(out / "hit_rate.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    n = len(ok)
+    width = 0.8 / max(n, 1)
+    for k, t in enumerate(ok):
+        reqs = t["result"]["worker_requests"]
+        ax.bar([i + k * width for i in range(len(reqs))], reqs, width, label=t["name"])
+    ax.set_xlabel("worker")
+    ax.set_ylabel("requests served")
+    ax.legend(fontsize=7)
+    ax.set_title(sub, fontsize=7)
+    paths.append(out / "worker_load.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def prepare(args: argparse.Namespace) -> Trace:
+    trace = load_trace(args.trace, args.format)
+    if args.limit:
+        trace = head(trace, args.limit)
+    if args.sample:
+        trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
+    trace = scale_time(trace, args.time_scale)
+    if args.max_output:
+        trace = cap_output(trace, args.max_output)
+    return trace
+
+
+def predict(
+    trace: Trace, fleet: SimFleet, specs: list[PolicySpec], slo: SLO, seed: int
+) -> dict[str, dict[str, Any]]:
+    """The offline simulator's numbers for the same sample and fleet (virtual clock)."""
+    out = {}
+    for s in specs:
+        r = simulate_policy(trace, s, fleet.spec(), seed=seed, slo=slo)
+        out[s.label] = {"hit_rate": r["hit_rate"], "ttft": r["ttft"], "tpot": r["tpot"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
+    g = p.add_argument_group("trace")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE))
+    g.add_argument("--format", default=None)
+    g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
+    g.add_argument("--sample", type=float, default=0.05, help="fraction (<=1) or count (>1)")
+    g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
+    g.add_argument("--time-scale", type=float, default=0.045, help="x trace times")
+    g.add_argument("--max-output", type=int, default=256, help="cap output tokens (0 = no cap)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("fleet")
+    d = SimFleet()
+    g.add_argument("--workers", type=int, default=d.workers)
+    g.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--profile", default=d.profile)
+    g.add_argument("--gpu-slowdown", type=float, default=d.gpu_slowdown, help="sim --time-scale")
+    g = p.add_argument_group("targets")
+    g.add_argument("--policies", default="round_robin,least_loaded,prefix,kv_aware")
+    g.add_argument("--peers", default=",".join(PEERS), help="comma-separated, or none")
+    g.add_argument("--no-direct", action="store_true", help="skip the direct-to-one-worker run")
+    g = p.add_argument_group("replay and output")
+    g.add_argument(
+        "--endpoint",
+        choices=["completions", "text", "chat"],
+        default="text",
+        help="text (default): completions with text prompts, which every peer accepts "
+        "(the SGLang router and SMG reject token-id prompts with 422)",
+    )
+    g.add_argument("--max-concurrency", type=int, default=256)
+    g.add_argument("--drain-timeout", type=float, default=30.0)
+    g.add_argument("--goodput", nargs="*", default=None, help="ttft:MS tpot:MS e2el:MS")
+    g.add_argument("--budget", type=float, default=840.0, help="skip targets past N s in all")
+    g.add_argument("--no-predict", action="store_true")
+    g.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "compare")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    out: Path = args.out
+    logs = out / "logs"
+    out.mkdir(parents=True, exist_ok=True)
+    trace = prepare(args)
+    fleet = SimFleet(
+        workers=args.workers,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        profile=args.profile,
+        gpu_slowdown=args.gpu_slowdown,
+        max_model_len=max(262144, max(r.input_length + r.output_length for r in trace.requests)),
+    )
+    slo = parse_goodput(args.goodput)
+    specs = [PolicySpec.parse(s) for s in split_policies(args.policies)]
+    peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
+    targets = [Target(f"kvgate:{s.label}", "kvgate", spec=s) for s in specs]
+    for name in peer_names:
+        if name not in PEERS:
+            targets.append(Target(name, "peer", status="skipped", reason="unknown peer"))
+        else:
+            targets.append(Target(name, "peer", peer=PEERS[name]))
+    if not args.no_direct:
+        targets.append(Target("direct:w0", "direct"))
+    console.print(
+        f"compare: {trace.describe()} | {fleet.describe()} | {len(targets)} targets",
+        markup=False,
+    )
+
+    venvs: dict[str, Path | None] = {}
+    wanted = [t for t in targets if t.kind == "peer" and t.peer is not None]
+    if wanted:
+        console.print(f"peers: checking/installing {', '.join(t.name for t in wanted)} ...")
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            found = list(pool.map(lambda t: ensure_peer(t.peer), wanted))
+        for t, (venv, why) in zip(wanted, found, strict=True):
+            venvs[t.name] = venv
+            if venv is None:
+                t.status, t.reason = "skipped", why
+    opts = ReplayOptions(
+        url="",
+        model=MODEL,
+        endpoint=args.endpoint,
+        max_concurrency=args.max_concurrency,
+        drain_timeout_s=args.drain_timeout,
+        request_timeout_s=600.0,
+    )
+    span = trace.duration_s
+    for t in targets:
+        if t.status != "pending":
+            continue
+        elapsed = time.monotonic() - t0
+        if elapsed + span + args.drain_timeout + 15 > args.budget:
+            t.status, t.reason = "skipped", f"time budget ({args.budget:.0f} s) would be exceeded"
+            continue
+        console.print(f"[{elapsed:5.0f} s] {t.name}", markup=False)
+        run_target(t, trace, fleet, opts, slo, logs, console, venvs.get(t.name))
+        if t.status == "ok":
+            r = t.result
+            console.print(
+                f"    ok {r['completed']}, failed {r['failed']}, hit {r['hit_rate'] or 0:.1%}, "
+                f"TTFT p50 {_ms(r['median_ttft_ms'])} p99 {_ms(r['p99_ttft_ms'])} s",
+                markup=False,
+            )
+        else:
+            console.print(f"    {t.status}: {t.reason}", markup=False)
+
+    predicted = {} if args.no_predict else predict(trace, fleet, specs, slo, args.seed)
+    bound = cache_bound(trace.requests)
+    pooled = cache_bound(trace.requests, fleet.workers * fleet.num_blocks * fleet.block_size)
+    report = {
+        "targets": [
+            {
+                "name": t.name,
+                "kind": t.kind,
+                "status": t.status,
+                "reason": t.reason,
+                "result": t.result,
+                "predicted": predicted.get(t.spec.label) if t.spec else None,
+            }
+            for t in targets
+        ],
+        "trace": {
+            **trace.meta(),
+            "describe": trace.describe(),
+            "bound": bound.to_json(),
+            "pooled_bound": pooled.to_json(),
+        },
+        "fleet": {
+            "workers": fleet.workers,
+            "num_blocks": fleet.num_blocks,
+            "block_size": fleet.block_size,
+            "profile": fleet.profile,
+            "gpu_slowdown": fleet.gpu_slowdown,
+        },
+        "fleet_describe": fleet.describe(),
+        "replay": {"endpoint": args.endpoint, "max_concurrency": args.max_concurrency},
+        "slo": slo.to_json(),
+        "slo_describe": slo.describe(),
+        "seed": args.seed,
+        "machine": machine(),
+        "wall_s": time.monotonic() - t0,
+        "ttft_dist_s": {
+            t.name: dist([x for x in t.result.get("ttfts_s", []) if x is not None])
+            for t in targets
+            if t.status == "ok"
+        },
+    }
+    (out / "compare.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    md = markdown(report)
+    (out / "compare.md").write_text(md, encoding="utf-8")
+    pngs = plots(report, out)
+    console.print(md, markup=False)
+    console.print(
+        f"wrote {out / 'compare.md'}, compare.json, {', '.join(p.name for p in pngs)} "
+        f"in {report['wall_s']:.0f} s",
+        markup=False,
+    )
+    return 0 if all(t.status == "ok" for t in targets if t.kind != "peer") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,796 @@
+"""Offline policy study: a trace x routing policies x a simulated fleet, under the virtual clock.
+
+    python -m bench.simulate --trace ../shared/traces/mooncake/synthetic_trace.jsonl --workers 8 \\
+        --policies round_robin,least_loaded,prefix,kv_aware --rate-scale 2 --json out.json
+
+Why offline: a policy question ("does kv_aware cut p99 TTFT on our traffic?") needs the whole trace
+replayed several times, which takes hours over HTTP and seconds here. The routing is the *real*
+`scoring` policy objects the gateway uses (`make_policy`, `choose`, `on_dispatch`), fed the same
+kind of `WorkerView`s, and the workers are the real `workers.sim` engine; only the clock is virtual.
+
+How a request is routed: its `RouteRequest.chain` is the chained 64-bit keys of its trace block
+ids (`bench.traces.chain_keys`, `--keys trace`, the default; `block_tokens` = trace block size)
+or, with `--keys gateway`, exactly what the gateway computes from the token-id prompt
+(`scoring.policy.route_request`). Views carry the engine's running/waiting/KV usage/capacity, this
+runner's in-flight count and the gateway's `prefill_tokens` bookkeeping: `Decision.prefill_tokens`
+is added at dispatch and removed at the request's first token, observed exactly (the fleet below
+hooks the virtual clock's token delivery). The snapshot is fresh at every decision: a real
+gateway's scraped numbers are up to a probe interval old, so this is the policy's best case on
+load signals, and the same best case for every policy.
+
+Policies run in parallel processes (`--jobs`), each on its own fleet, all seeded by `--seed`:
+the same seed gives the same numbers on any machine (wall times aside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import random
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bench.metrics import SLO, balance, dist, fmt_s, machine, tpot
+from bench.traces import (
+    Trace,
+    TraceRequest,
+    cache_bound,
+    chain_keys,
+    head,
+    load_trace,
+    prompt_token_ids,
+    sample,
+    scale_time,
+)
+from scoring.policy import RouteRequest, WorkerView, make_policy, route_request
+from scoring.views import RoutingOptions, Weights
+from workers.sim.engine import Engine, EngineConfig, SimRequest
+from workers.sim.profiles import get_profile
+from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared/traces/mooncake/synthetic_trace.jsonl"
+DEFAULT_POLICIES = "round_robin,least_loaded,prefix,kv_aware"
+MODEL = "sim-llama"
+
+
+# ==================================================================================================
+# What is simulated
+# ==================================================================================================
+
+
+@dataclass(slots=True, frozen=True)
+class FleetSpec:
+    """N identical simulated engines. Defaults: H100-80GB-like workers serving an 8B model.
+
+    32,768 blocks of 16 tokens (~512k tokens of KV, what vLLM leaves for the cache at 0.9 GPU
+    memory utilisation) hold the longest Mooncake prompts (191k tokens) but far less than its
+    22M-token working set, so cache placement matters. `profile_scale` > 1 makes every step
+    slower (a bigger model or a slower GPU) without refitting the curves.
+    """
+
+    workers: int = 8
+    num_blocks: int = 32768
+    block_size: int = 16
+    profile: str = "default"
+    profile_scale: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 262144
+
+    def engines(self) -> list[Engine]:
+        config = EngineConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        profile = get_profile(self.profile)
+        if self.profile_scale != 1.0:
+            profile = profile.with_overrides(scale=self.profile_scale)
+        return [Engine(config, profile) for _ in range(self.workers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens of the whole fleet (the pooled-cache reference's size)."""
+        return self.workers * self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        scale = f" x{self.profile_scale:g}" if self.profile_scale != 1.0 else ""
+        return (
+            f"{self.workers} workers, profile {self.profile}{scale}, {self.num_blocks} blocks x "
+            f"{self.block_size} tokens, max_num_seqs {self.max_num_seqs}, "
+            f"max_num_batched_tokens {self.max_num_batched_tokens}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True, frozen=True)
+class PolicySpec:
+    """A policy name plus weight/option overrides: `kv_aware[queue=0.4;prefill_tokens_per_s=4e4]`.
+
+    Variants of one policy side by side are how tuning findings are measured (label = as written).
+    """
+
+    name: str
+    label: str
+    weights: tuple[tuple[str, float], ...] = ()
+    options: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def parse(
+        cls,
+        text: str,
+        weights: dict[str, float] | None = None,
+        options: dict[str, float] | None = None,
+    ) -> PolicySpec:
+        text = text.strip()
+        name, _, rest = text.partition("[")
+        w = dict(weights or {})
+        o = dict(options or {})
+        wnames = {f.name for f in fields(Weights)}
+        onames = {f.name for f in fields(RoutingOptions)}
+        for part in filter(None, (p.strip() for p in rest.rstrip("]").split(";"))):
+            k, _, v = part.partition("=")
+            k = k.strip()
+            if k in wnames:
+                w[k] = float(v)
+            elif k in onames:
+                o[k] = float(v)
+            else:
+                raise ValueError(f"{text}: {k!r} is neither a weight nor a routing option")
+        return cls(name.strip(), text, tuple(sorted(w.items())), tuple(sorted(o.items())))
+
+    def routing_options(self, trace_block: int, keys: str) -> RoutingOptions:
+        """Options for the run. With trace keys one chain entry is one trace block, so the index
+        sizes a worker's capacity in trace blocks (block_chars / chars_per_token = trace block)."""
+        base: dict[str, Any] = {}
+        if keys == "trace":
+            base = {"block_chars": trace_block, "chars_per_token": 1.0}
+        for k, v in self.options:
+            default = getattr(RoutingOptions(), k)
+            base[k] = int(v) if isinstance(default, int) else v
+        return RoutingOptions(**base)
+
+
+# ==================================================================================================
+# The router adapter and the fleet
+# ==================================================================================================
+
+
+class PolicyRouter:
+    """Adapts a scoring policy to the virtual fleet: snapshot -> WorkerViews -> choose/dispatch.
+
+    Keeps the gateway's own per-worker bookkeeping the views need: the uncached prompt tokens of
+    dispatched requests that have not produced a first token yet (`prefill_tokens`).
+    """
+
+    def __init__(
+        self,
+        spec: PolicySpec,
+        requests: dict[str, TraceRequest],
+        workers: int,
+        seed: int,
+        keys: str,
+        trace_block: int,
+    ) -> None:
+        self.options = spec.routing_options(trace_block, keys)
+        self.now = 0.0
+        self.policy = make_policy(
+            spec.name,
+            weights=Weights(**dict(spec.weights)) if spec.weights else None,
+            options=self.options,
+            rng=random.Random(seed),
+            clock=lambda: self.now,
+        )
+        self.requests = requests
+        self.keys = keys
+        self.names = [f"w{i}" for i in range(workers)]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.prefill = [0] * workers
+        self.awaiting = [0] * workers  # requests per worker still before their first token
+        self.pending: dict[str, tuple[int, int]] = {}
+        self.reasons: Counter[str] = Counter()
+
+    def route_key(self, arrival: Arrival) -> RouteRequest:
+        req = self.requests[arrival.request.request_id]
+        if self.keys == "gateway":
+            body = {"model": MODEL, "prompt": arrival.request.prompt_token_ids}
+            return route_request(
+                "completion",
+                body,
+                model=MODEL,
+                session_id=req.session_id,
+                request_id=req.request_id,
+                options=self.options,
+                hash_prefix=self.policy.needs_chain,
+            )
+        chain = tuple(chain_keys(req)) if self.policy.needs_chain else ()
+        return RouteRequest(
+            model=MODEL,
+            request_id=req.request_id,
+            chain=chain,
+            block_tokens=float(req.block_size),
+            prompt_tokens=req.input_length,
+            session_id=req.session_id,
+        )
+
+    def __call__(self, arrival: Arrival, fleet: FleetSnapshot) -> int:
+        self.now = fleet.now
+        prefill = self.prefill
+        views = [
+            WorkerView(
+                name=self.names[s.index],
+                in_flight=s.in_flight,
+                running=s.running,
+                waiting=s.waiting,
+                kv_usage=s.kv_usage,
+                block_size=s.block_size,
+                num_blocks=s.num_blocks,
+                prefill_tokens=prefill[s.index],
+            )
+            for s in fleet.engines
+        ]
+        route = self.route_key(arrival)
+        decision = self.policy.choose(views, route)
+        name = decision.worker.name
+        self.policy.on_dispatch(name, route)
+        w = self.index[name]
+        self.reasons[decision.reason] += 1
+        tokens = decision.prefill_tokens
+        prefill[w] += tokens
+        self.awaiting[w] += 1
+        self.pending[arrival.request.request_id] = (w, tokens)
+        return w
+
+    def first_token(self, request_id: str) -> None:
+        w, tokens = self.pending.pop(request_id)
+        self.prefill[w] -= tokens
+        self.awaiting[w] -= 1
+
+
+class ObservedFleet(VirtualFleet):
+    """A VirtualFleet that tells the router when a request delivers its first token.
+
+    The virtual clock has no public hook for it, so this wraps its delivery step; it only looks at
+    outputs while the worker has requests before their first token (cheap on long decodes).
+    """
+
+    def __init__(self, engines: Sequence[Engine], router: PolicyRouter) -> None:
+        super().__init__(engines, router)
+        self._router = router
+
+    def _deliver(self, w: int, now: float) -> None:
+        router = self._router
+        if router.awaiting[w]:
+            live = self._live
+            for o in self._pending[w]:
+                res = live.get(o.request_id)
+                if res is not None and res.first_token_time is None:
+                    router.first_token(o.request_id)
+        super()._deliver(w, now)
+
+
+def _arrivals(
+    reqs: Sequence[TraceRequest], progress: Callable[[int], None] | None, every: int = 50
+) -> Iterator[Arrival]:
+    """Prompts are materialised one at a time as the replay reaches them (Mooncake: 61M tokens)."""
+    for i, r in enumerate(reqs):
+        if progress is not None and i % every == 0:
+            progress(i)
+        tag = r.session_id or r.tenant or None
+        yield Arrival(
+            r.arrival_s, SimRequest(r.request_id, prompt_token_ids(r), max(1, r.output_length)), tag
+        )
+    if progress is not None:
+        progress(len(reqs))
+
+
+def simulate_policy(
+    trace: Trace,
+    spec: PolicySpec,
+    fleet: FleetSpec,
+    *,
+    seed: int = 0,
+    keys: str = "trace",
+    slo: SLO | None = None,
+    bound_rate: float | None = None,
+    pooled_rate: float | None = None,
+    progress: Callable[[int], None] | None = None,
+    keep_samples: bool = False,
+) -> dict[str, Any]:
+    """Replay `trace` through `spec` onto a fresh `fleet`; the per-policy summary (seconds)."""
+    reqs = trace.requests
+    if not reqs:
+        raise ValueError("empty trace")
+    longest = max(r.input_length + max(1, r.output_length) for r in reqs)
+    if longest > fleet.max_model_len:
+        fleet = FleetSpec(**{**fleet.to_json(), "max_model_len": longest})
+    router = PolicyRouter(
+        spec, {r.request_id: r for r in reqs}, fleet.workers, seed, keys, trace.block_size
+    )
+    engines = fleet.engines()
+    sim = ObservedFleet(engines, router)
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = sim.run(_arrivals(reqs, progress))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if bound_rate is None:
+        bound_rate = cache_bound(reqs).token_hit_rate
+    if pooled_rate is None:
+        pooled_rate = cache_bound(reqs, fleet.capacity_tokens).token_hit_rate
+    out = summarize(result, spec, slo or SLO(), bound_rate, fleet.workers, router.reasons)
+    out["pooled_bound_hit_rate"] = pooled_rate
+    out["hit_vs_pooled_bound"] = out["hit_rate"] / pooled_rate if pooled_rate else None
+    out.update(wall_s=round(wall, 3), cpu_s=round(cpu, 3), steps=result.num_steps)
+    out["preemptions"] = sum(e.stats().num_preemptions for e in engines)
+    if keep_samples:
+        out["samples"] = {
+            "ttft": [r.ttft for r in result.results],
+            "worker": [r.worker for r in result.results],
+        }
+    return out
+
+
+def summarize(
+    result: SimulationResult,
+    spec: PolicySpec,
+    slo: SLO,
+    bound_rate: float,
+    workers: int,
+    reasons: Counter[str],
+) -> dict[str, Any]:
+    """Per-policy metrics in seconds, names as in the JSON report (see the module docstring)."""
+    res = result.results
+    done = [r for r in res if r.completion_time is not None]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    e2es = [r.e2e for r in done if r.e2e is not None]
+    tpots = [t for r in done if (t := tpot(r.e2e, r.ttft, r.output_tokens)) is not None]
+    itls = [g for r in done for g in r.itl]
+    good = sum(1 for r in done if slo.met(r.ttft, tpot(r.e2e, r.ttft, r.output_tokens), r.e2e))
+    span = result.duration or 1e-9
+    per_worker = [0] * workers
+    prefill_per_worker = [0] * workers
+    for r in res:
+        per_worker[r.worker] += 1
+        prefill_per_worker[r.worker] += r.prompt_tokens - r.cached_tokens
+    prompt = sum(r.prompt_tokens for r in res)
+    cached = sum(r.cached_tokens for r in res)
+    hit = cached / prompt if prompt else 0.0
+    return {
+        "policy": spec.label,
+        "base_policy": spec.name,
+        "weights": dict(spec.weights),
+        "options": dict(spec.options),
+        "requests": len(res),
+        "completed": len(done),
+        "hit_rate": hit,
+        "bound_hit_rate": bound_rate,
+        "hit_vs_bound": hit / bound_rate if bound_rate else None,
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "ttft": dist(ttfts),
+        "tpot": dist(tpots),
+        "itl": dist(itls),
+        "e2e": dist(e2es),
+        "goodput": {
+            "slo": slo.to_json(),
+            "requests_s": good / span,
+            "fraction": good / len(res) if res else 0.0,
+        },
+        "throughput": {
+            "requests_s": len(done) / span,
+            "output_tokens_s": sum(r.output_tokens for r in done) / span,
+            "prompt_tokens_s": prompt / span,
+        },
+        "duration_s": result.duration,
+        "load": {
+            "requests_per_worker": per_worker,
+            "requests_max_over_mean": balance(per_worker),
+            "prefill_tokens_per_worker": prefill_per_worker,
+            "prefill_max_over_mean": balance(prefill_per_worker),
+        },
+        "preempted_requests": sum(1 for r in res if r.preempted),
+        "reasons": dict(sorted(reasons.items())),
+    }
+
+
+# ==================================================================================================
+# Running several policies (and rates) in parallel processes
+# ==================================================================================================
+
+
+@dataclass(slots=True, frozen=True)
+class SimTask:
+    """One simulation: a policy at a time scale of the (already sampled) base trace."""
+
+    spec: PolicySpec
+    time_scale: float = 1.0
+    label: str = ""
+
+
+@dataclass(slots=True)
+class RunContext:
+    trace: Trace
+    fleet: FleetSpec
+    seed: int = 0
+    keys: str = "trace"
+    slo: SLO = field(default_factory=SLO)
+    bound_rate: float | None = None
+    pooled_rate: float | None = None
+    keep_samples: bool = False
+
+
+_CTX: RunContext | None = None  # inherited by forked children: the trace is never pickled
+
+
+def _run_task(ctx: RunContext, task: SimTask, progress: Callable[[int], None] | None) -> dict:
+    trace = scale_time(ctx.trace, task.time_scale)
+    out = simulate_policy(
+        trace,
+        task.spec,
+        ctx.fleet,
+        seed=ctx.seed,
+        keys=ctx.keys,
+        slo=ctx.slo,
+        bound_rate=ctx.bound_rate,
+        pooled_rate=ctx.pooled_rate,
+        progress=progress,
+        keep_samples=ctx.keep_samples,
+    )
+    out["time_scale"] = task.time_scale
+    return out
+
+
+def _child(i: int, task: SimTask, q: Any) -> None:
+    assert _CTX is not None
+    try:
+        out = _run_task(_CTX, task, lambda n: q.put(("progress", i, n)))
+        q.put(("done", i, out))
+    except BaseException:  # reported to the parent, which raises
+        q.put(("error", i, traceback.format_exc()))
+
+
+def run_tasks(
+    ctx: RunContext,
+    tasks: Sequence[SimTask],
+    jobs: int | None = None,
+    show_progress: bool = True,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Run every task, `jobs` processes at a time (forked: children inherit the trace), with one
+    progress bar per task; results in task order. `jobs=1` runs in this process."""
+    global _CTX
+    n = len(ctx.trace.requests)
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    results: list[dict[str, Any] | None] = [None] * len(tasks)
+    progress = Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+        transient=False,
+    )
+    with progress:
+        bars = [progress.add_task(t.label or t.spec.label, total=n, start=False) for t in tasks]
+        if jobs == 1 or "fork" not in mp.get_all_start_methods():
+            for i, t in enumerate(tasks):
+                progress.start_task(bars[i])
+                results[i] = _run_task(ctx, t, lambda k, b=bars[i]: progress.update(b, completed=k))
+            return [r for r in results if r is not None]
+        fork = mp.get_context("fork")
+        q = fork.Queue()
+        _CTX = ctx
+        procs: dict[int, Any] = {}
+        todo = list(range(len(tasks)))
+        try:
+            while todo or procs:
+                while todo and len(procs) < jobs:
+                    i = todo.pop(0)
+                    p = fork.Process(target=_child, args=(i, tasks[i], q), daemon=True)
+                    p.start()
+                    procs[i] = p
+                    progress.start_task(bars[i])
+                try:
+                    kind, i, payload = q.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [i for i, p in procs.items() if p.exitcode not in (0, None)]
+                    if dead:
+                        code = procs[dead[0]].exitcode
+                        raise RuntimeError(
+                            f"simulation {tasks[dead[0]].spec.label} died: {code}"
+                        ) from None
+                    continue
+                if kind == "progress":
+                    progress.update(bars[i], completed=payload)
+                elif kind == "done":
+                    results[i] = payload
+                    progress.update(bars[i], completed=n)
+                    procs.pop(i).join()
+                else:
+                    raise RuntimeError(f"simulation {tasks[i].spec.label} failed:\n{payload}")
+        finally:
+            for p in procs.values():
+                p.kill()
+            _CTX = None
+    return [r for r in results if r is not None]
+
+
+# ==================================================================================================
+# Report
+# ==================================================================================================
+
+
+def report_console() -> Console:
+    """A console wide enough for the tables when the output is a file or a pipe (rich's default
+    there is 80 columns, which folds every number)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def report_table(report: dict[str, Any]) -> Table:
+    """One table, one row per policy, with everything a reviewer needs to judge the numbers."""
+    tr, fl = report["trace"], report["fleet"]
+    caption = (
+        f"trace {tr['describe']} | time scale x{report['time_scale']:g} | fleet "
+        f"{report['fleet_describe']} | keys {report['keys']} | seed {report['seed']} | "
+        f"goodput SLO {report['slo_describe']} | bound (infinite cache) "
+        f"{tr['bound']['token_hit_rate']:.1%} of prompt tokens, "
+        f"{tr['bound']['block_hit_rate']:.1%} of blocks; pooled fleet cache (LRU, "
+        f"{report['fleet']['workers']} x {report['fleet']['num_blocks']} blocks) "
+        f"{tr['pooled_bound']['token_hit_rate']:.1%} | machine "
+        f"{report['machine']['cpu']} x{report['machine']['cores']} | seconds unless stated"
+    )
+    t = Table(title=f"virtual-clock simulation, {fl['workers']} workers", caption=caption)
+    for col in (
+        "policy",
+        "hit rate",
+        "/bound",
+        "/pooled",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "TPOT p50",
+        "p99",
+        "ITL p99",
+        "E2E p50",
+        "p99",
+        "goodput",
+        "req/s",
+        "out tok/s",
+        "load max/mean",
+        "preempt",
+    ):
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
+    for p in report["policies"]:
+        tt, tp, e2 = p["ttft"], p["tpot"], p["e2e"]
+        t.add_row(
+            escape(p["policy"]),
+            f"{p['hit_rate']:.1%}",
+            f"{p['hit_vs_bound']:.2f}" if p["hit_vs_bound"] is not None else "-",
+            f"{p['hit_vs_pooled_bound']:.2f}" if p.get("hit_vs_pooled_bound") else "-",
+            fmt_s(tt["mean"]),
+            fmt_s(tt["p50"]),
+            fmt_s(tt["p90"]),
+            fmt_s(tt["p99"]),
+            fmt_s(tp["p50"], 4),
+            fmt_s(tp["p99"], 4),
+            fmt_s(p["itl"]["p99"], 4),
+            fmt_s(e2["p50"], 2),
+            fmt_s(e2["p99"], 2),
+            f"{p['goodput']['fraction']:.1%}",
+            f"{p['throughput']['requests_s']:.2f}",
+            f"{p['throughput']['output_tokens_s']:.0f}",
+            f"{p['load']['requests_max_over_mean']:.2f}/{p['load']['prefill_max_over_mean']:.2f}",
+            str(p["preempted_requests"]),
+        )
+    return t
+
+
+def reasons_table(report: dict[str, Any]) -> Table | None:
+    rows = [(p["policy"], p["reasons"]) for p in report["policies"] if len(p["reasons"]) > 1]
+    if not rows:
+        return None
+    names = sorted({k for _, r in rows for k in r})
+    t = Table(title="routing decisions by reason (Decision.reason)")
+    t.add_column("policy")
+    for n in names:
+        t.add_column(n, justify="right")
+    for label, r in rows:
+        t.add_row(escape(label), *(str(r.get(n, 0)) for n in names))
+    return t
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def _kv(text: str | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        k, _, v = part.partition("=")
+        out[k.strip()] = float(v)
+    return out
+
+
+def split_policies(text: str) -> list[str]:
+    """Split `a,b[x=1;y=2],c` on the commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur += ch
+    out.append(cur)
+    return [p.strip() for p in out if p.strip()]
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace")
+    g.add_argument(
+        "--trace", default=str(DEFAULT_TRACE), help="trace file/dir or synthetic:k=v,..."
+    )
+    g.add_argument("--format", default=None, help="skip format detection")
+    g.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
+    g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
+    g.add_argument("--limit", type=int, default=None, help="keep only the first N requests")
+    g.add_argument("--seed", type=int, default=0, help="sampling and tie-break seed")
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet")
+    d = FleetSpec()
+    g.add_argument("--workers", type=int, default=d.workers)
+    g.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per worker")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--profile", default=d.profile, help="timing profile (workers/sim/profiles)")
+    g.add_argument("--profile-scale", type=float, default=1.0, help="x step time (slower GPU)")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+
+
+def add_policy_args(p: argparse.ArgumentParser, default: str = DEFAULT_POLICIES) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument(
+        "--policies",
+        default=default,
+        help="comma-separated; a variant carries overrides: kv_aware[queue=0.4;affinity_slack=2]",
+    )
+    g.add_argument("--weights", default=None, help="kv_aware weights for every policy: k=v,...")
+    g.add_argument("--options", default=None, help="RoutingOptions for every policy: k=v,...")
+    g.add_argument(
+        "--keys",
+        choices=["trace", "gateway"],
+        default="trace",
+        help="route on trace block ids (default) or on the gateway's own hash of the prompt",
+    )
+    g.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (s)")
+    g.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT (s)")
+    g.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E (s)")
+    g.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
+
+
+def trace_from_args(args: argparse.Namespace) -> Trace:
+    trace = load_trace(args.trace, args.format)
+    if args.limit:
+        trace = head(trace, args.limit)
+    if args.sample:
+        trace = sample(trace, args.sample, args.seed, by=args.sample_by)
+    return trace
+
+
+def fleet_from_args(args: argparse.Namespace) -> FleetSpec:
+    return FleetSpec(
+        workers=args.workers,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        profile=args.profile,
+        profile_scale=args.profile_scale,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+
+
+def specs_from_args(args: argparse.Namespace) -> list[PolicySpec]:
+    w, o = _kv(args.weights), _kv(args.options)
+    return [PolicySpec.parse(s, w, o) for s in split_policies(args.policies)]
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    return SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+
+
+def build_report(
+    ctx: RunContext, results: list[dict[str, Any]], time_scale: float, wall: float
+) -> dict[str, Any]:
+    bound = cache_bound(ctx.trace.requests)
+    pooled = cache_bound(ctx.trace.requests, ctx.fleet.capacity_tokens)
+    return {
+        "policies": results,
+        "trace": {
+            **ctx.trace.meta(),
+            "describe": ctx.trace.describe(),
+            "bound": bound.to_json(),
+            "pooled_bound": pooled.to_json(),
+        },
+        "time_scale": time_scale,
+        "rate_scale": 1.0 / time_scale,
+        "fleet": ctx.fleet.to_json(),
+        "fleet_describe": ctx.fleet.describe(),
+        "keys": ctx.keys,
+        "seed": ctx.seed,
+        "slo": ctx.slo.to_json(),
+        "slo_describe": ctx.slo.describe(),
+        "machine": machine(),
+        "wall_s": round(wall, 3),
+        "units": "seconds",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n")[0])
+    add_trace_args(p)
+    add_fleet_args(p)
+    add_policy_args(p)
+    g = p.add_argument_group("load and output")
+    g.add_argument("--time-scale", type=float, default=None, help="x arrival times (0.5 = 2x rate)")
+    g.add_argument("--rate-scale", type=float, default=None, help="x request rate (= 1/time-scale)")
+    g.add_argument("--json", type=Path, default=None, help="write the report here")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.time_scale and args.rate_scale:
+        p.error("give --time-scale or --rate-scale, not both")
+    time_scale = args.time_scale or (1.0 / args.rate_scale if args.rate_scale else 1.0)
+    console = report_console()
+    t0 = time.perf_counter()
+    trace = trace_from_args(args)
+    ctx = RunContext(
+        trace=trace,
+        fleet=fleet_from_args(args),
+        seed=args.seed,
+        keys=args.keys,
+        slo=slo_from_args(args),
+    )
+    ctx.bound_rate = cache_bound(trace.requests).token_hit_rate
+    ctx.pooled_rate = cache_bound(trace.requests, ctx.fleet.capacity_tokens).token_hit_rate
+    tasks = [SimTask(s, time_scale) for s in specs_from_args(args)]
+    results = run_tasks(ctx, tasks, args.jobs, not args.quiet, console)
+    report = build_report(ctx, results, time_scale, time.perf_counter() - t0)
+    console.print(report_table(report))
+    rt = reasons_table(report)
+    if rt is not None:
+        console.print(rt)
+    console.print(f"total wall time {report['wall_s']:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Offline simulation: real policies on the virtual clock, deterministic, and the report schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.capacity import Objective, Search, passes
+from bench.simulate import (
+    FleetSpec,
+    ObservedFleet,
+    PolicyRouter,
+    PolicySpec,
+    _arrivals,
+    main,
+    simulate_policy,
+    split_policies,
+)
+from bench.traces import SyntheticSpec, synthetic
+
+SPEC = SyntheticSpec(
+    groups=4, users=2, system_tokens=512, question_tokens=64, output_tokens=8,
+    rate=40.0, num_requests=80, block_size=16, seed=3,
+)  # fmt: skip
+FLEET = FleetSpec(workers=3, num_blocks=200, block_size=16, max_model_len=4096)
+SYNTH = "synthetic:groups=4,users=2,system_tokens=512,question_tokens=64,output_tokens=8,rate=40,num_requests=60,block_size=16"
+
+
+def _strip(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in ("wall_s", "cpu_s")}
+
+
+def test_same_seed_same_numbers() -> None:
+    trace = synthetic(SPEC)
+    for name in ("least_loaded", "kv_aware"):
+        a = simulate_policy(trace, PolicySpec.parse(name), FLEET, seed=7)
+        b = simulate_policy(trace, PolicySpec.parse(name), FLEET, seed=7)
+        assert _strip(a) == _strip(b)
+        assert a["completed"] == a["requests"] == 80
+
+
+def test_cache_aware_routing_beats_round_robin_on_shared_prefixes() -> None:
+    trace = synthetic(SPEC)
+    rr = simulate_policy(trace, PolicySpec.parse("round_robin"), FLEET)
+    kv = simulate_policy(trace, PolicySpec.parse("kv_aware"), FLEET)
+    assert rr["load"]["requests_per_worker"] == [27, 27, 26]
+    assert rr["load"]["requests_max_over_mean"] == pytest.approx(27 / (80 / 3))
+    assert kv["hit_rate"] > rr["hit_rate"]
+    assert kv["hit_rate"] <= kv["bound_hit_rate"] + 0.05  # engine blocks may beat trace blocks
+    assert kv["hit_vs_bound"] == pytest.approx(kv["hit_rate"] / kv["bound_hit_rate"])
+    assert sum(kv["reasons"].values()) == 80 and kv["reasons"].get("affinity", 0) > 0
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        d = kv[metric]
+        assert d["p50"] <= d["p90"] <= d["p95"] <= d["p99"] <= d["max"]
+
+
+def test_prefill_bookkeeping_returns_to_zero() -> None:
+    trace = synthetic(SPEC)
+    router = PolicyRouter(
+        PolicySpec.parse("kv_aware"),
+        {r.request_id: r for r in trace.requests},
+        FLEET.workers,
+        seed=0,
+        keys="trace",
+        trace_block=16,
+    )
+    seen: list[int] = []
+    inner = router.__call__
+
+    def spy(arrival, fleet):  # type: ignore[no-untyped-def]
+        seen.append(sum(router.prefill))
+        return inner(arrival, fleet)
+
+    sim = ObservedFleet(FLEET.engines(), router)
+    sim.route = spy  # the fleet calls the router through this attribute
+    result = sim.run(_arrivals(trace.requests, None))
+    assert len(result.results) == 80
+    assert max(seen) > 0  # requests were waiting for their first token at some arrivals
+    assert router.pending == {} and router.prefill == [0, 0, 0] and router.awaiting == [0, 0, 0]
+
+
+def test_gateway_keys_route_like_the_gateway() -> None:
+    trace = synthetic(SPEC)
+    out = simulate_policy(trace, PolicySpec.parse("kv_aware"), FLEET, keys="gateway")
+    rr = simulate_policy(trace, PolicySpec.parse("round_robin"), FLEET, keys="gateway")
+    assert out["hit_rate"] > rr["hit_rate"]
+
+
+def test_policy_variants_parse() -> None:
+    assert split_policies("a,kv_aware[queue=0.4;affinity_slack=3],b") == [
+        "a",
+        "kv_aware[queue=0.4;affinity_slack=3]",
+        "b",
+    ]
+    s = PolicySpec.parse("kv_aware[queue=0.4;affinity_slack=3]", options={"sample_size": 4})
+    assert s.name == "kv_aware" and dict(s.weights) == {"queue": 0.4}
+    assert dict(s.options) == {"affinity_slack": 3.0, "sample_size": 4}
+    o = s.routing_options(512, "trace")
+    assert o.text_block_tokens == 512 and o.sample_size == 4 and isinstance(o.sample_size, int)
+    with pytest.raises(ValueError, match="neither"):
+        PolicySpec.parse("kv_aware[nope=1]")
+
+
+def test_cli_report_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--trace", SYNTH, "--workers", "2", "--num-blocks", "200", "--max-model-len", "4096"]
+    argv += ["--policies", "round_robin,kv_aware", "--json", str(out), "--quiet", "--jobs", "1"]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert [p["policy"] for p in r["policies"]] == ["round_robin", "kv_aware"]
+    for p in r["policies"]:
+        for k in ("hit_rate", "bound_hit_rate", "hit_vs_bound", "goodput", "throughput", "load"):
+            assert k in p
+        assert set(p["ttft"]) >= {"mean", "p50", "p90", "p95", "p99"}
+        assert p["ttft"]["p99"] >= p["ttft"]["p50"] > 0
+        assert 0 <= p["hit_rate"] <= 1 and p["preempted_requests"] >= 0
+    assert r["seed"] == 0 and r["fleet"]["workers"] == 2 and r["units"] == "seconds"
+    assert r["trace"]["requests"] == 60 and "bound" in r["trace"] and "cores" in r["machine"]
+    assert "virtual-clock simulation" in capsys.readouterr().out
+
+
+def test_forked_jobs_give_the_same_numbers(tmp_path: Path) -> None:
+    base = ["--trace", SYNTH, "--workers", "2", "--num-blocks", "200", "--max-model-len", "4096"]
+    base += ["--policies", "least_loaded,kv_aware", "--quiet"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    main([*base, "--jobs", "1", "--json", str(a)])
+    main([*base, "--jobs", "2", "--json", str(b)])
+    pa = [_strip(p) for p in json.loads(a.read_text())["policies"]]
+    pb = [_strip(p) for p in json.loads(b.read_text())["policies"]]
+    assert pa == pb
+
+
+# -- capacity search -------------------------------------------------------------------------------
+def _fake(limit: float, rate_scale: float) -> dict:
+    v = 0.5 if rate_scale <= limit else 5.0
+    return {"requests": 1, "completed": 1, "ttft": {"p95": v}}
+
+
+def test_capacity_search_brackets_then_bisects() -> None:
+    obj = [Objective("ttft", "p95", 2.0)]
+    for limit in (0.3, 1.0, 5.5, 40.0):
+        s = Search(PolicySpec.parse("x"))
+        while (r := s.next_scale(iterations=6, max_log2=6)) is not None:
+            s.record(r, _fake(limit, r), passes(_fake(limit, r), obj))
+        assert s.answer_scale is not None
+        assert s.answer_scale <= limit < s.answer_scale * 2 ** (1 / 32)
+        assert len(s.probes) <= 7 + 6  # bracket within 2**6, then 6 bisections
+
+
+def test_capacity_search_never_passes_and_unfinished_fails() -> None:
+    obj = [Objective("ttft", "p95", 2.0)]
+    s = Search(PolicySpec.parse("x"))
+    while (r := s.next_scale(iterations=3, max_log2=3)) is not None:
+        s.record(r, _fake(0.01, r), passes(_fake(0.01, r), obj))
+    assert s.answer_scale is None and len(s.probes) == 4  # 1, 1/2, 1/4, 1/8
+    assert not passes({"requests": 2, "completed": 1, "ttft": {"p95": 0.1}}, obj)
