@@ -124,8 +124,10 @@ class RoutingOptions:
     decode_s_per_running: float = 0.002  # start delay each running sequence adds (batch share)
     queue_horizon_s: float = 0.5  # queue signal = wait / (wait + horizon): 0.5 at the horizon
     # A cache hit keeps its credit until the holder's extra wait reaches this multiple of the
-    # prefill time the hit saves (1.0 = the TTFT break-even point).
-    affinity_slack: float = 1.0
+    # prefill time the hit saves. 1.0 is the single request's TTFT break-even, but moving a request
+    # also costs the fleet a prefill and a second copy of the prefix: on the Mooncake replay at 5x
+    # load, 10 lifted the hit rate 20.8% -> 35.0% and cut p99 TTFT 1.99 s -> 1.51 s.
+    affinity_slack: float = 10.0
     # -- saturation: such workers are left out while any worker is below both --
     saturation_kv: float = 0.90
     saturation_waiting: float = 8.0

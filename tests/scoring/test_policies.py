@@ -114,8 +114,12 @@ def test_kv_aware_sends_a_hit_to_its_holder_when_loads_are_equal() -> None:
     assert d.prefill_tokens < 30  # only the new question is left to prefill
 
 
+# The yield mechanism at the break-even slack (the default keeps affinity longer).
+TIGHT_SLACK = RoutingOptions(affinity_slack=1.0)
+
+
 def test_kv_aware_leaves_an_overloaded_holder_for_an_idle_worker() -> None:
-    p = KVAware(rng=random.Random(0))
+    p = KVAware(options=TIGHT_SLACK, rng=random.Random(0))
     warm(p, "b", chat("earlier question"))
     views = [
         *idle("a", "c"),
@@ -145,7 +149,7 @@ def test_a_hot_prefix_spreads_over_the_fleet_instead_of_piling_onto_its_holder()
 
 
 def test_the_prefix_is_replicated_so_later_hits_find_several_holders() -> None:
-    p = KVAware(rng=random.Random(2))
+    p = KVAware(options=TIGHT_SLACK, rng=random.Random(2))
     sent: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     for i in range(24):

@@ -134,7 +134,9 @@ def test_kv_aware_scores_agree_with_the_documented_signal_functions() -> None:
         m = d.matched_blocks
         q = queue_signal(wait, OPTS.queue_horizon_s)
         prefix = prefix_signal(m * 16.0, 1_000)
-        eff = prefix * affinity_yield(wait - best_wait, m * 16 / OPTS.prefill_tokens_per_s, 1.0)
+        eff = prefix * affinity_yield(
+            wait - best_wait, m * 16 / OPTS.prefill_tokens_per_s, OPTS.affinity_slack
+        )
         fill = p.state.index.fill.get(d.worker.name, 0.0)
         kvp = kv_pressure(kv, 1_000 - m * 16, kv_capacity_tokens(d.worker), fill)
         sess = (
