@@ -178,6 +178,12 @@ print()'
 """
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.__main__ import main as bench_main
+
+    return int(bench_main(args.args) or 0)
+
+
 def cmd_key(args: argparse.Namespace) -> int:
     key = args.key or "kvg-" + secrets.token_urlsafe(24)
     print(f"key:    {key}")
@@ -211,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("key", help="make a key and print the sha256 the config stores")
     p.add_argument("--key", default=None, help="hash this key instead of making a new one")
     p.set_defaults(func=cmd_key)
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks and trace tools: simulate, capacity, replay, compare, ... (see bench/)",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
 
     add_sim_parser(sub)
     return parser
