@@ -4,8 +4,8 @@ prompts and the infinite-cache bound."""
 from __future__ import annotations
 
 import csv
-import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -39,17 +39,71 @@ from bench.traces import (
 )
 from workers.sim.tokenizer import encode
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-AZURE = TRACES / "azure" / "AzureLLMInferenceTrace_code.csv"
-WEKA = TRACES / "weka-agentic"
-
-needs_traces = pytest.mark.skipif(not MOONCAKE.exists(), reason="shared traces not present")
+# Hand-made files in the exact formats of ../shared/traces (which the repo must not copy and CI
+# may not have): Mooncake JSONL with prefix-tree hash ids, the Azure CSV header and timestamp
+# format, and a weka-agentic session file.
 
 
-def _excerpt(src: Path, dst: Path, lines: int) -> Path:
-    with open(src, encoding="utf-8") as f:
-        dst.write_text("".join(itertools.islice(f, lines)), encoding="utf-8")
+def _mooncake(dst: Path, lines: int) -> Path:
+    rng = random.Random(11)
+    rows, next_id = [], 0
+    families: list[list[int]] = []
+    for i in range(lines):
+        base = rng.choice(families)[: rng.randint(1, 6)] if families and rng.random() < 0.6 else []
+        extra = rng.randint(1, 5)
+        ids = base + list(range(next_id, next_id + extra))
+        next_id += extra
+        families.append(ids)
+        n = (len(ids) - 1) * 512 + rng.randint(1, 512)
+        rows.append(
+            {
+                "timestamp": i * 137,
+                "input_length": n,
+                "output_length": rng.randint(1, 400),
+                "hash_ids": ids,
+            }
+        )
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return dst
+
+
+def _azure(dst: Path, rows: int) -> Path:
+    rng = random.Random(5)
+    out = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(rows):
+        frac = f"{(i * 52_000) % 10_000_000:07d}"
+        out.append(
+            f"2023-11-16 18:17:{3 + i // 20:02d}.{frac},{rng.randint(10, 8000)},{rng.randint(1, 500)}"
+        )
+    dst.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return dst
+
+
+def _weka(dst: Path) -> Path:
+    reqs, ids, t = [], list(range(1, 40)), 0.0
+    for k in range(7):
+        ids = ids + list(range(ids[-1] + 1, ids[-1] + 1 + 3 + k))
+        reqs.append(
+            {
+                "t": t,
+                "type": "n",
+                "model": "m",
+                "in": len(ids) * 64 - 10,
+                "out": 100 + k,
+                "hash_ids": list(ids),
+                "think_time": 1.0,
+                "api_time": 2.0,
+            }
+        )
+        t += 5.0
+    doc = {
+        "id": "trace_0022",
+        "models": ["m"],
+        "block_size": 64,
+        "hash_id_scope": "local",
+        "requests": reqs,
+    }
+    dst.write_text(json.dumps(doc), encoding="utf-8")
     return dst
 
 
@@ -58,9 +112,8 @@ def req(rid: str, ids: list, n: int, bs: int = 4, t: float = 0.0, **kw) -> Trace
 
 
 # -- Mooncake --------------------------------------------------------------------------------------
-@needs_traces
 def test_mooncake_excerpt_converts_exactly(tmp_path: Path) -> None:
-    path = _excerpt(MOONCAKE, tmp_path / "m.jsonl", 25)
+    path = _mooncake(tmp_path / "m.jsonl", 25)
     assert detect_format(path) == "mooncake"
     trace = load_trace(path)
     raw = [json.loads(line) for line in path.read_text().splitlines()]
@@ -73,9 +126,8 @@ def test_mooncake_excerpt_converts_exactly(tmp_path: Path) -> None:
         assert len(prompt_token_ids(r)) == r.input_length
 
 
-@needs_traces
 def test_mooncake_prompts_and_bound_match_the_legacy_helpers(tmp_path: Path) -> None:
-    path = _excerpt(MOONCAKE, tmp_path / "m.jsonl", 300)
+    path = _mooncake(tmp_path / "m.jsonl", 300)
     trace = from_mooncake(path)
     records = list(load_mooncake(path))
     r = trace.requests[3]
@@ -86,9 +138,8 @@ def test_mooncake_prompts_and_bound_match_the_legacy_helpers(tmp_path: Path) -> 
 
 
 # -- Azure -----------------------------------------------------------------------------------------
-@needs_traces
 def test_azure_excerpt_synthesizes_seeded_tenant_prefixes(tmp_path: Path) -> None:
-    path = _excerpt(AZURE, tmp_path / "a.csv", 41)  # header + 40 rows
+    path = _azure(tmp_path / "a.csv", 40)  # header + 40 rows
     assert detect_format(path) == "azure"
     rows = list(csv.reader(path.open()))[1:]
     m = AzurePrefixModel(tenants=4, block_size=64, seed=3)
@@ -173,9 +224,8 @@ def test_weka_scopes_ids_per_file_and_splits_subagents(tmp_path: Path) -> None:
     assert b.hit_tokens == 8 and b.prompt_tokens == 9 + 8 + 13 + 8
 
 
-@needs_traces
-def test_weka_real_file(tmp_path: Path) -> None:
-    f = WEKA / "trace_0022.json"
+def test_weka_session_file(tmp_path: Path) -> None:
+    f = _weka(tmp_path / "trace_0022.json")
     raw = json.loads(f.read_text())
     assert detect_format(f) == "weka-agentic"
     trace = load_trace(f)

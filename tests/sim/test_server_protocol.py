@@ -830,9 +830,6 @@ _REPLAYED_PATHS = {
     "/health",
     "/v1/nope",
 }
-needs_fixtures = pytest.mark.skipif(
-    not (FIXTURES / "index.json").exists(), reason="vLLM 0.32 recordings not present"
-)
 
 
 def shape(value: Any) -> Any:
@@ -850,7 +847,6 @@ def _fixture_index() -> dict[str, Any]:
     return orjson.loads((FIXTURES / "index.json").read_bytes())
 
 
-@needs_fixtures
 async def test_responses_match_recorded_vllm_shapes() -> None:
     """Every recorded request, replayed against a sim configured like the recording server."""
     index = _fixture_index()
@@ -900,7 +896,6 @@ async def test_responses_match_recorded_vllm_shapes() -> None:
         assert compared >= 20, compared
 
 
-@needs_fixtures
 async def test_metrics_match_recorded_vllm(client: httpx.AsyncClient, sim_url: str) -> None:
     """Our families exist in vLLM's exposition with the same type, help text and label names."""
     theirs = {
