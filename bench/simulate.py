@@ -56,7 +56,9 @@ from bench.traces import (
     sample,
     scale_time,
 )
-from scoring.policy import RouteRequest, WorkerView, make_policy, route_request
+from scoring.policy import RouteRequest, RoutingState, WorkerView, make_policy, route_request
+from scoring.precise import PreciseIndex
+from scoring.prefix import block_keys, seed_for
 from scoring.views import RoutingOptions, Weights
 from workers.sim.engine import Engine, EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
@@ -92,13 +94,14 @@ class FleetSpec:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 262144
 
-    def engines(self) -> list[Engine]:
+    def engines(self, kv_events: bool = False) -> list[Engine]:
         config = EngineConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            enable_kv_events=kv_events,
         )
         profile = get_profile(self.profile)
         if self.profile_scale != 1.0:
@@ -175,11 +178,20 @@ class PolicySpec:
 # ==================================================================================================
 
 
+PRECISE = "kv_aware_precise"
+
+
 class PolicyRouter:
     """Adapts a scoring policy to the virtual fleet: snapshot -> WorkerViews -> choose/dispatch.
 
     Keeps the gateway's own per-worker bookkeeping the views need: the uncached prompt tokens of
     dispatched requests that have not produced a first token yet (`prefill_tokens`).
+
+    `kv_aware_precise` is `kv_aware` over the precise index fed by the engines' own KV events
+    (what the gateway does with vLLM's), drained before every decision: the events of every step
+    simulated so far, so the index lags the engines exactly as it lags vLLM (blocks appear after
+    their prefill step). Requests are keyed per engine block from their token ids, as token mode
+    keys them, instead of by trace blocks.
     """
 
     def __init__(
@@ -193,11 +205,13 @@ class PolicyRouter:
     ) -> None:
         self.options = spec.routing_options(trace_block, keys)
         self.now = 0.0
+        self.precise = PreciseIndex() if spec.name == PRECISE else None
         self.policy = make_policy(
-            spec.name,
+            "kv_aware" if self.precise is not None else spec.name,
             weights=Weights(**dict(spec.weights)) if spec.weights else None,
             options=self.options,
             rng=random.Random(seed),
+            state=RoutingState(self.options, self.precise) if self.precise is not None else None,
             clock=lambda: self.now,
         )
         self.requests = requests
@@ -208,9 +222,58 @@ class PolicyRouter:
         self.awaiting = [0] * workers  # requests per worker still before their first token
         self.pending: dict[str, tuple[int, int]] = {}
         self.reasons: Counter[str] = Counter()
+        self.engines: Sequence[Engine] = ()
+        self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
+        self.block_size = 16
+        self.root = seed_for(MODEL, "", "")
+        if self.precise is not None:
+            for n in self.names:
+                self.precise.set_live(n, True)
+
+    def attach(self, engines: Sequence[Engine], block_size: int) -> None:
+        self.engines = engines
+        self.block_size = block_size
+
+    def _drain_events(self) -> None:
+        """Apply the KV events every engine published since the last decision."""
+        idx = self.precise
+        assert idx is not None
+        now, bs, root = self.now, self.block_size, self.root
+        for name, engine in zip(self.names, self.engines, strict=True):
+            events = engine.take_kv_events()
+            if not events:
+                continue
+            idx.touch(name, now)
+            for ev in events:
+                if ev.kind == "BlockStored":
+                    idx.stored(
+                        name,
+                        ev.block_hashes,
+                        ev.parent_block_hash,
+                        ev.token_ids,
+                        bs,
+                        root,
+                        "GPU",
+                        now,
+                    )
+                elif ev.kind == "BlockRemoved":
+                    idx.removed(name, ev.block_hashes, None, now)
+                else:
+                    idx.clear(name)
 
     def route_key(self, arrival: Arrival) -> RouteRequest:
         req = self.requests[arrival.request.request_id]
+        if self.precise is not None:
+            ids = arrival.request.prompt_token_ids
+            bs = self.block_size
+            return RouteRequest(
+                model=MODEL,
+                request_id=req.request_id,
+                block_tokens=float(bs),
+                prompt_tokens=req.input_length,
+                session_id=req.session_id,
+                block_chain=tuple(block_keys(ids, bs, MODEL, "", len(ids) // bs)),
+            )
         if self.keys == "gateway":
             body = {"model": MODEL, "prompt": arrival.request.prompt_token_ids}
             return route_request(
@@ -234,6 +297,8 @@ class PolicyRouter:
 
     def __call__(self, arrival: Arrival, fleet: FleetSnapshot) -> int:
         self.now = fleet.now
+        if self.precise is not None:
+            self._drain_events()
         prefill = self.prefill
         views = [
             WorkerView(
@@ -258,12 +323,17 @@ class PolicyRouter:
         prefill[w] += tokens
         self.awaiting[w] += 1
         self.pending[arrival.request.request_id] = (w, tokens)
+        if self.precise is not None:
+            self.routes[arrival.request.request_id] = route
         return w
 
     def first_token(self, request_id: str) -> None:
         w, tokens = self.pending.pop(request_id)
         self.prefill[w] -= tokens
         self.awaiting[w] -= 1
+        route = self.routes.pop(request_id, None)
+        if route is not None:
+            self.policy.on_prefill_done(self.names[w], route)
 
 
 class ObservedFleet(VirtualFleet):
@@ -326,7 +396,8 @@ def simulate_policy(
     router = PolicyRouter(
         spec, {r.request_id: r for r in reqs}, fleet.workers, seed, keys, trace.block_size
     )
-    engines = fleet.engines()
+    engines = fleet.engines(kv_events=router.precise is not None)
+    router.attach(engines, fleet.block_size)
     sim = ObservedFleet(engines, router)
     t0, c0 = time.perf_counter(), time.process_time()
     result = sim.run(_arrivals(reqs, progress))

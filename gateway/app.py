@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -30,8 +31,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
     ConfigWatcher,
+    KVEventSettings,
     RoutingSettings,
     Settings,
     TokenModeSettings,
@@ -40,7 +44,7 @@ from gateway.config import (
 )
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.logs import setup_logging
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import AdmissionCollector, AdmissionMetrics, GatewayMetrics, KVEventCollector
 from gateway.proxy import Call, Proxy
 from gateway.quota_gate import QuotaGate, Ticket
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens
@@ -48,8 +52,10 @@ from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
 from scoring.policy import Policy, RoutingState, make_policy, route_request, session_id_from
+from scoring.precise import PreciseIndex
 from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
 from scoring.views import RoutingOptions, Weights
+from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
 from workers.registry import Health, Registry, Worker, WorkerSpec
 
@@ -66,8 +72,36 @@ def _load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
 
 def _spec(w: WorkerSettings) -> WorkerSpec:
     return WorkerSpec(
-        name=w.name, url=w.url, weight=w.weight, labels=dict(w.labels), api_key=w.api_key
+        name=w.name,
+        url=w.url,
+        weight=w.weight,
+        labels=dict(w.labels),
+        api_key=w.api_key,
+        kv_events=w.kv_events,
+        kv_events_replay=w.kv_events_replay,
+        kv_events_topic=w.kv_events_topic,
+        max_concurrency=w.max_concurrency,
     )
+
+
+def _admission(a: AdmissionConfig) -> AdmissionSettings:
+    names = {f.name for f in dataclasses.fields(AdmissionSettings)}
+    return AdmissionSettings(**{k: v for k, v in a.model_dump().items() if k in names})
+
+
+def _precise_index(k: KVEventSettings) -> PreciseIndex:
+    return PreciseIndex(
+        offload_weight=k.offload_weight,
+        pending_ttl_s=k.pending_ttl_s,
+        stale_after_s=k.stale_after_s,
+        stale_after_dispatches=k.stale_after_dispatches,
+    )
+
+
+def _base_model(w: Worker) -> str | None:
+    """The model a worker's unsalted, non-LoRA KV blocks belong to (LoRA cards have a parent)."""
+    base = sorted(m for m, card in w.model_cards.items() if not card.get("parent"))
+    return base[0] if base else (min(w.models) if w.models else None)
 
 
 class Gateway:
@@ -86,11 +120,23 @@ class Gateway:
             backoff_max_s=p.backoff_max_s,
         )
         self.routing_options = RoutingOptions(**settings.routing.options)
-        self.routing_state = RoutingState(self.routing_options)
+        self.precise = _precise_index(settings.routing.kv_events)
+        self.routing_state = RoutingState(self.routing_options, self.precise)
+        self.kv_fleet = KVEventFleet(
+            PreciseSink(self.precise, self._worker_model, self._worker_block_size)
+        )
+        self.metrics.registry.register(KVEventCollector(self.kv_fleet))
+        self._kv_sync_lock = asyncio.Lock()
+        self._health_seen: dict[str, tuple[Health, float | None]] = {}
+        self._kv_tasks: set[asyncio.Task[None]] = set()
         self.token_keyers = _load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
         self.quota = QuotaGate(settings.quota, self.metrics)
+        self.admission = AdmissionController(
+            _admission(settings.admission), observer=AdmissionMetrics(self.metrics)
+        )
+        self.metrics.registry.register(AdmissionCollector(self.admission))
         self.usage: UsageSink = NullSink()
         self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
@@ -145,8 +191,11 @@ class Gateway:
             settings=lambda: self.settings,
             on_passive_failure=self._on_passive_failure,
             on_finish=self._settle,
+            room=self._worker_room,
+            on_release=self.admission.kick,
         )
         self.prober.sync()
+        await self._sync_kv_events()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
                 self.config_path, self.settings, self.apply, self._on_reload_error
@@ -158,6 +207,7 @@ class Gateway:
             await self.watcher.stop()
         if self.prober:
             await self.prober.stop()
+        await self.kv_fleet.close()
         if self.upstream:
             await self.upstream.close()
         await self.usage.close()
@@ -181,12 +231,19 @@ class Gateway:
             self.policy = self._make_policy(r)  # same RoutingState: the index survives
         elif r.weights != old.routing.weights:
             self.policy.set_weights(Weights(**r.weights.model_dump()))
+        if r.kv_events != old.routing.kv_events:
+            k = r.kv_events
+            p_ = self.precise
+            p_.offload_weight, p_.pending_ttl_s = k.offload_weight, k.pending_ttl_s
+            p_.stale_after_s, p_.stale_after_dispatches = k.stale_after_s, k.stale_after_dispatches
         if r.token_mode != old.routing.token_mode:
             try:
                 self.token_keyers = _load_keyers(r.token_mode)
             except Exception:
                 log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
+        if new.admission != old.admission:
+            self.admission.configure(_admission(new.admission))
         p = new.probes
         r = self.registry
         r.unhealthy_after, r.healthy_after = p.unhealthy_after, p.healthy_after
@@ -206,6 +263,59 @@ class Gateway:
             log.info("fleet changed: added %s, removed %s", added, removed)
         if self.prober:
             self.prober.sync()
+            # Started gateways only: start() subscribes the initial fleet itself.
+            self._schedule_kv_sync()
+
+    def _schedule_kv_sync(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._sync_kv_events())
+        self._kv_tasks.add(task)
+        task.add_done_callback(self._kv_tasks.discard)
+
+    async def _sync_kv_events(self) -> None:
+        """Subscribe to the events of every worker that publishes them and whose models are
+        known: an event's blocks are keyed by the model they belong to, so a subscriber that
+        started before the first probe would have to drop what it replays."""
+        async with self._kv_sync_lock:
+            eps = {
+                w.name: KVEndpoint(
+                    w.spec.kv_events, w.spec.kv_events_replay or None, w.spec.kv_events_topic
+                )
+                for w in self.registry.workers.values()
+                if w.spec.kv_events and w.models
+            }
+            try:
+                await self.kv_fleet.sync(eps)
+            except Exception:
+                log.exception("kv events: subscriber sync failed")
+
+    def _worker_room(self, w: Worker) -> int:
+        """Requests ``w`` can take now: its concurrency cap minus what is in flight there, none
+        while its KV cache is saturated (new sequences would only preempt running ones)."""
+        if w.metrics.kv_usage >= self.routing_options.saturation_kv:
+            return 0
+        cap = w.spec.max_concurrency or self.settings.admission.worker_concurrency
+        return cap - w.in_flight if cap > w.in_flight else 0
+
+    def _room(self, model: str, priority: float) -> int:
+        """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
+        kept for the latency-sensitive tiers)."""
+        a = self.settings.admission
+        free = total = 0
+        room = self._worker_room
+        for w in self.registry.candidates(model):
+            total += w.spec.max_concurrency or a.worker_concurrency
+            free += room(w)
+        if priority < a.reserve_min_priority:
+            free -= int(total * a.priority_reserve)
+        return free if free > 0 else 0
+
+    def _worker_model(self, name: str) -> str | None:
+        w = self.registry.workers.get(name)
+        return None if w is None else _base_model(w)
+
+    def _worker_block_size(self, name: str) -> int:
+        w = self.registry.workers.get(name)
+        return (w.metrics.block_size or 0) if w is not None else 0
 
     def _on_reload_error(self, msg: str) -> None:
         self.metrics.config_reload_errors.inc()
@@ -216,6 +326,24 @@ class Gateway:
         if not ok:
             m.probe_failures.labels(w.name).inc()
         self._export_health(w)
+        if w.spec.kv_events:
+            self._watch_restarts(w)
+            if w.models and not self.kv_fleet.subscribed(w.name):
+                self._schedule_kv_sync()
+        self.admission.kick()  # fresh metrics (or a readmitted worker) may make room
+
+    def _watch_restarts(self, w: Worker) -> None:
+        """A health flap or a new process start time voids what the worker's events told us."""
+        seen = self._health_seen.get(w.name)
+        now = (w.health, w.metrics.process_start)
+        self._health_seen[w.name] = now
+        if seen is None:
+            return
+        was_up, is_up = seen[0] is Health.HEALTHY, now[0] is Health.HEALTHY
+        if was_up and not is_up:
+            self.kv_fleet.resync(w.name, "health")
+        elif seen[1] is not None and now[1] is not None and seen[1] != now[1]:
+            self.kv_fleet.resync(w.name, "restart")
 
     def _export_health(self, w: Worker) -> None:
         m = self.metrics
@@ -277,6 +405,7 @@ class Gateway:
                     max_blocks=opts.max_blocks,
                     tail_ratio=opts.tail_ratio,
                     tail_blocks=opts.tail_blocks,
+                    block_chain_blocks=opts.precise_max_blocks if self.kv_fleet.active else 0,
                 )
                 with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
                     big = len(raw) > settings.routing.token_mode.offload_bytes
@@ -292,11 +421,23 @@ class Gateway:
                 request_id=rid,
                 options=opts,
                 hash_prefix=needs_chain and key is None,
+                block_chain_blocks=opts.precise_max_blocks if self.kv_fleet.active else 0,
             )
             if key is not None:
                 route = with_key(route, key)
             if self.tenants.enabled:
                 ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
+            adm = self.admission.settings
+            # The last await before the proxy picks a worker (see gateway.admission): the room
+            # this grants is taken synchronously by the dispatch.
+            await self.admission.admit(
+                tenant=tenant.name,
+                priority=tenant.priority,
+                weight=tenant.cfg.queue_weight,
+                deadline_s=adm.deadline_s(request.headers.get(adm.deadline_header)),
+                has_room=functools.partial(self._room, model, tenant.priority),
+                pool=model,
+            )
             call = Call(
                 request_id=rid,
                 model=model,

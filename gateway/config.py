@@ -55,6 +55,15 @@ class WorkerSettings(_Section):
     labels: dict[str, str] = Field(default_factory=dict)
     # Bearer key the worker expects (vLLM --api-key), never the tenant's key.
     api_key: str = ""
+    # vLLM KV events (--kv-events-config): the PUB endpoint to subscribe to, e.g.
+    # "tcp://10.0.0.5:5557"; empty = none, this worker is routed by the approximate index.
+    kv_events: str = Field("", pattern=r"^$|^(tcp|ipc)://")
+    # Its replay endpoint (replay_endpoint), used after a sequence gap or a reconnect.
+    kv_events_replay: str = Field("", pattern=r"^$|^(tcp|ipc)://")
+    # Topic prefix to subscribe to ("" = every topic; vLLM publishes on "kv" by default).
+    kv_events_topic: str = ""
+    # Requests this worker may run at once (its --max-num-seqs); 0 = [admission] worker_concurrency.
+    max_concurrency: int = Field(0, ge=0)
 
     @field_validator("url")
     @classmethod
@@ -122,6 +131,18 @@ class TokenModeSettings(_Section):
         return v
 
 
+class KVEventSettings(_Section):
+    # Blocks held only in an offloaded tier (CPU, disk) count this much of a GPU-resident block.
+    offload_weight: float = Field(0.5, ge=0, le=1)
+    # A dispatched request's blocks count as held this long before its BlockStored arrives
+    # (vLLM publishes after prefill): keeps a burst of one prefix on one worker.
+    pending_ttl_s: float = Field(2.0, ge=0)
+    # A worker's events are stale (route it by the approximate index) after this many dispatches
+    # AND this many seconds without an event batch: it got traffic but stopped publishing.
+    stale_after_dispatches: int = Field(20, ge=1)
+    stale_after_s: float = Field(10.0, gt=0)
+
+
 class RoutingSettings(_Section):
     policy: Literal["round_robin", "least_loaded", "prefix", "session", "kv_aware"] = "kv_aware"
     # Header carrying the session id (else the body's `user` or `prompt_cache_key`).
@@ -131,6 +152,8 @@ class RoutingSettings(_Section):
     options: dict[str, int | float] = Field(default_factory=dict)
     splits: list[SplitSettings] = Field(default_factory=list)
     token_mode: TokenModeSettings = TokenModeSettings()
+    # Precise routing from workers' KV events (workers with `kv_events` set; needs token mode).
+    kv_events: KVEventSettings = KVEventSettings()
 
     @field_validator("options")
     @classmethod
@@ -173,6 +196,8 @@ class TenantSettings(_Section):
     keys_sha256: list[str] = Field(default_factory=list)
     # 0..1: higher is more latency-sensitive (routing weight, and first in line when saturated).
     priority: float = Field(0.5, ge=0, le=1)
+    # Share of the admission queue against other tenants of the same priority tier.
+    queue_weight: float = Field(1.0, gt=0)
     rpm: int | None = Field(None, ge=1)
     # Input + output tokens per minute.
     tpm: int | None = Field(None, ge=1)
@@ -234,6 +259,40 @@ class QuotaSettings(_Section):
     usage_file: str = ""
 
 
+class AdmissionSettings(_Section):
+    # Queue requests when no worker has room; false = send everything through (comparison runs).
+    enabled: bool = True
+    # Requests a worker may run at once unless its [[workers]] max_concurrency says otherwise:
+    # vLLM's default --max-num-seqs. Beyond it requests wait here, in priority order, rather than
+    # in the worker's own FIFO queue.
+    worker_concurrency: int = Field(256, ge=1)
+    # Share of the fleet's slots only requests of priority >= reserve_min_priority may take, so
+    # latency-sensitive tenants find room in a spike that low-priority traffic already fills.
+    priority_reserve: float = Field(0.1, ge=0, lt=1)
+    reserve_min_priority: float = Field(0.7, ge=0, le=1)
+    # Queued requests per model, all tenants and priorities together; 0 = never queue.
+    max_queued: int = Field(1024, ge=0)
+    # Queued requests per tenant and model (429 beyond it); 0 = no fixed cap (a full queue is
+    # shared by tenant queue_weight instead).
+    max_queued_per_tenant: int = Field(0, ge=0)
+    # How long a request may wait for a worker when the client does not say.
+    default_deadline_s: float = Field(10.0, ge=0)
+    # Upper bound on a client's own deadline (header below, in milliseconds; 0 = do not queue).
+    max_deadline_s: float = Field(30.0, ge=0)
+    deadline_header: str = "x-kvgate-deadline-ms"
+    # Safety re-check while anything is queued (a wake-up can be missed; a waiter must not be).
+    recheck_s: float = Field(0.05, gt=0)
+    # Priority tiers: tier = round(priority * priority_levels); higher tiers always go first.
+    priority_levels: int = Field(10, ge=1)
+    # Memory of the service-rate estimate (predicted waits, Retry-After), seconds of backlog.
+    rate_half_life_s: float = Field(10.0, gt=0)
+    # Queued admissions seen before predicted waits refuse requests early.
+    min_rate_samples: int = Field(16, ge=1)
+    # Retry-After bounds; the fallback is used while the service rate is unknown.
+    fallback_retry_after_s: float = Field(1.0, gt=0)
+    max_retry_after_s: float = Field(60.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -250,6 +309,7 @@ class Settings(BaseSettings):
     upstream: UpstreamSettings = UpstreamSettings()
     tenancy: TenancySettings = TenancySettings()
     quota: QuotaSettings = QuotaSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @classmethod

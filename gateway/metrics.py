@@ -7,9 +7,17 @@ request body that a client can vary freely ever becomes a label.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gateway.admission import AdmissionController
+    from workers.kv_intake import KVEventFleet
 
 # Seconds; TTFT spans cache hits (ms) to long queued prefills (tens of s).
 _TTFT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -146,6 +154,36 @@ class GatewayMetrics:
         self.probe_failures = Counter(
             "kvgate_probe_failures", "Failed probes", ["worker"], registry=r
         )
+        self.cached_prediction = Counter(
+            "kvgate_cached_tokens_predictions",
+            "Routing's predicted cached prompt tokens vs the worker's reported cached_tokens, by "
+            "match source (precise = KV events, approx = dispatch history) and outcome "
+            "(agree = within one block, over, under)",
+            ["source", "outcome"],
+            registry=r,
+        )
+        self.cached_prediction_error = Histogram(
+            "kvgate_cached_tokens_prediction_error_tokens",
+            "|predicted - reported| cached prompt tokens per request, by match source",
+            ["source"],
+            buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384),
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "kvgate_admission_wait_seconds",
+            "Time requests waited in the admission queue for a worker, by model and priority tier "
+            "(only requests that queued)",
+            ["model", "tier"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.admission_outcomes = Counter(
+            "kvgate_admission_outcomes",
+            "Admission queue outcomes by model, tier and result (admitted, cancelled, or the "
+            "refusal reason: queue_full, shed, over_share, expired, deadline, closed, ...)",
+            ["model", "tier", "outcome"],
+            registry=r,
+        )
         self.config_reloads = Counter("kvgate_config_reloads", "Config reloads applied", registry=r)
         self.config_reload_errors = Counter(
             "kvgate_config_reload_errors",
@@ -170,3 +208,105 @@ class GatewayMetrics:
         for s in states:
             with contextlib.suppress(KeyError):
                 self.worker_state.remove(name, s)
+
+
+class KVEventCollector(Collector):
+    """KV-event intake and precise-index figures, read from the live objects at scrape time.
+
+    The intake counts in plain ints on its hot path (no Prometheus call per event); a scrape
+    turns them into series here.
+    """
+
+    def __init__(self, fleet: KVEventFleet, clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet = fleet
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.fleet.stats()
+        idx = self.fleet.index
+        sink = self.fleet.sink
+        now = self.clock()
+        trusted = idx.trusted(now)
+        counters = {
+            "events": ("kvgate_kv_events", "KV events received"),
+            "batches": ("kvgate_kv_event_batches", "KV event batches received"),
+            "gaps": ("kvgate_kv_event_gaps", "Sequence gaps detected"),
+            "replays": ("kvgate_kv_event_replays", "Replays requested after a gap or reconnect"),
+            "replay_failures": ("kvgate_kv_event_replay_failures", "Replays that failed"),
+            "decode_errors": ("kvgate_kv_event_decode_errors", "Undecodable event batches"),
+        }
+        for attr, (name, doc) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=["worker"])
+            for w, st in stats.items():
+                c.add_metric([w], float(getattr(st, attr)))
+            yield c
+        resets = CounterMetricFamily(
+            "kvgate_kv_event_resets",
+            "Times a worker's precise entries were cleared, by reason",
+            labels=["worker", "reason"],
+        )
+        for (w, reason), n in sorted(sink.resets.items()):
+            resets.add_metric([w, reason], float(n))
+        yield resets
+        size = GaugeMetricFamily(
+            "kvgate_precise_index_blocks", "Blocks the precise index holds", labels=["worker"]
+        )
+        live = GaugeMetricFamily(
+            "kvgate_kv_events_trusted",
+            "1 when routing uses the worker's KV events (in sync and fresh)",
+            labels=["worker"],
+        )
+        age = GaugeMetricFamily(
+            "kvgate_kv_events_age_seconds",
+            "Seconds since the worker's last event batch",
+            labels=["worker"],
+        )
+        for w, st in stats.items():
+            size.add_metric([w], float(idx.size(w)))
+            live.add_metric([w], 1.0 if w in trusted else 0.0)
+            if st.last_event_monotonic:
+                age.add_metric([w], max(0.0, now - st.last_event_monotonic))
+        yield size
+        yield live
+        yield age
+
+
+class AdmissionMetrics:
+    """The admission controller's observer: Prometheus series, cached children."""
+
+    def __init__(self, m: GatewayMetrics) -> None:
+        self.m = m
+
+    def admitted(self, pool: str, tier: int, wait_s: float) -> None:
+        m = self.m
+        t = str(tier)
+        m.child(m.admission_wait, pool, t).observe(wait_s)
+        m.child(m.admission_outcomes, pool, t, "admitted").inc()
+
+    def refused(self, pool: str, tier: int, reason: str, status: int) -> None:
+        m = self.m
+        m.child(m.admission_outcomes, pool, str(tier), reason).inc()
+        m.child(m.rejected, str(status)).inc()
+
+    def cancelled(self, pool: str, tier: int, wait_s: float) -> None:
+        m = self.m
+        m.child(m.admission_outcomes, pool, str(tier), "cancelled").inc()
+
+
+class AdmissionCollector(Collector):
+    """Queue depth per model and priority tier, read at scrape time."""
+
+    def __init__(self, controller: AdmissionController) -> None:
+        self.controller = controller
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "kvgate_admission_queue_depth",
+            "Requests waiting for a worker, by model and priority tier",
+            labels=["model", "tier"],
+        )
+        c = self.controller
+        for pool in c.pools():
+            for tier, n in sorted(c.depth_by_tier(pool).items()):
+                g.add_metric([pool, str(tier)], float(n))
+        yield g

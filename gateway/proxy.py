@@ -89,6 +89,7 @@ class Call:
     pool_ok: Callable[[Worker], bool] | None = None
     pool: str = ""  # the chosen worker's `pool` label, for per-pool metrics
     prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
+    prefill_reported: bool = False  # this attempt's on_prefill_done was called
     ctx: Any = None  # the gateway's own per-request state (tenant, quota ticket)
 
 
@@ -103,6 +104,8 @@ class Proxy:
         settings: Callable[[], Settings],
         on_passive_failure: Callable[[str], None] = lambda name: None,
         on_finish: Callable[[Call], Awaitable[None]] | None = None,
+        room: Callable[[Worker], int] | None = None,
+        on_release: Callable[[str], None] | None = None,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -111,6 +114,8 @@ class Proxy:
         self._settings = settings
         self._on_passive_failure = on_passive_failure
         self._on_finish = on_finish
+        self._room = room  # a worker's free slots; full workers are passed over while any has room
+        self._on_release = on_release  # a slot was freed for this model (admission wakes a waiter)
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call) -> Response:
@@ -125,6 +130,9 @@ class Proxy:
             cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
             if call.pool_ok is not None:
                 cands = [w for w in cands if call.pool_ok(w)] or cands
+            if self._room is not None:
+                room = self._room
+                cands = [w for w in cands if room(w) > 0] or cands
             if not cands:
                 break
             decision = policy.choose([w.view() for w in cands], call.route)
@@ -268,8 +276,26 @@ class Proxy:
         policy.on_dispatch(d.worker.name, call.route)
         call.route_debug = d
 
+    def _record_prediction(self, call: Call, d: Decision, actual: int) -> None:
+        """How well routing knew the worker's cache: predicted vs reported cached tokens.
+
+        The worker never reuses the prompt's last token, so a full match predicts one token less
+        than the prompt; within one block of the report is agreement (vLLM caches whole blocks).
+        """
+        r = call.route
+        predicted = int(r.matched_tokens(d.matched_blocks))
+        if r.prompt_tokens:
+            predicted = min(predicted, r.prompt_tokens - 1)
+        diff = predicted - actual
+        outcome = "agree" if abs(diff) <= r.block_tokens else ("over" if diff > 0 else "under")
+        source = d.match_source or "none"
+        m = self.metrics
+        m.child(m.cached_prediction, source, outcome).inc()
+        m.child(m.cached_prediction_error, source).observe(abs(diff))
+
     def _acquire(self, worker: Worker, call: Call, prefill_tokens: int) -> None:
         worker.in_flight += 1
+        call.prefill_reported = False
         call.prefill_tokens = prefill_tokens
         worker.prefill_tokens += prefill_tokens
         worker.sent_tokens_since_scrape += prefill_tokens
@@ -280,11 +306,16 @@ class Proxy:
         """The worker has produced its first byte: its queued-prefill estimate drops this call."""
         worker.prefill_tokens = max(0, worker.prefill_tokens - call.prefill_tokens)
         call.prefill_tokens = 0
+        if call.route.block_chain and not call.prefill_reported:
+            call.prefill_reported = True
+            self._policy().on_prefill_done(worker.name, call.route)
 
     def _release(self, worker: Worker, call: Call) -> None:
         self.prefill_done(worker, call)
         worker.in_flight -= 1
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
+        if self._on_release is not None:
+            self._on_release(call.model)
 
     def _fail(self, worker: Worker, error: str) -> None:
         log.warning("worker %s failed before first byte: %s", worker.name, error)
@@ -305,6 +336,8 @@ class Proxy:
             if u is not None and u.completion_tokens > 1:
                 tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
                 m.child(m.tpot, call.model, call.pool).observe(tpot)
+            if u is not None and call.route_debug is not None and call.route.chain:
+                self._record_prediction(call, call.route_debug, u.cached_tokens)
         if self._settings().logging.requests and reqlog.isEnabledFor(logging.INFO):
             u = call.usage
             reqlog.info(

@@ -9,12 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.errors import APIError, bad_request
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+# orjson parses JSON nested up to 1024 levels but serializes at most 254, and the gateway
+# re-serializes many bodies (forced stream usage, tenant caps, cache salts): a body it accepts must
+# stay forwardable. No OpenAI request field comes near this depth.
+MAX_DEPTH = 254
 
 
 @dataclass(slots=True)
@@ -38,11 +43,20 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client gave up mid-upload: nobody reads the answer, but it is not a gateway error.
+        raise APIError(
+            499,
+            "Client closed the connection before the request body was complete",
+            "invalid_request_error",
+            code="client_closed_request",
+        ) from None
     return b"".join(chunks)
 
 
@@ -53,6 +67,18 @@ def _too_large(limit: int) -> APIError:
         "invalid_request_error",
         code="request_too_large",
     )
+
+
+def _too_deep(raw: bytes, data: Any) -> bool:
+    """Whether `data` nests deeper than orjson can serialize it again (MAX_DEPTH levels)."""
+    # A body cannot nest deeper than it has brackets: that count (C speed) clears nearly all.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    try:
+        orjson.dumps(data)  # what parsed can only fail to serialize by depth
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 def _is_int(v: Any) -> bool:
@@ -84,6 +110,8 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request(f"Request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("Request body must be a JSON object")
+    if _too_deep(raw, data):
+        raise bad_request(f"Request body is nested more than {MAX_DEPTH} levels deep")
     model = data.get("model")
     if model is None:
         raise bad_request("you must provide a model parameter", "model")

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import xxhash
 
 from scoring.index import PrefixIndex
+from scoring.precise import PreciseIndex
 from scoring.prefix import PathKind, text_key
 from scoring.session import SessionTable
 from scoring.signals import is_saturated, load_estimate, prefix_signal
@@ -67,6 +68,9 @@ class Policy(Protocol):
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
         """The request was sent to ``worker_name`` (call once per attempt actually sent)."""
 
+    def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
+        """That attempt produced its first token, or failed: its prefill is over either way."""
+
     def on_worker_removed(self, name: str) -> None:
         """The worker left the fleet (or restarted at the same address: its cache is gone)."""
 
@@ -84,6 +88,9 @@ class _Stateless:
     )
 
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
+        return None
+
+    def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
         return None
 
     def on_worker_removed(self, name: str) -> None:
@@ -133,9 +140,14 @@ class LeastLoaded(_Stateless):
 class RoutingState:
     """What learning policies know about the fleet; outlives weight reloads and policy swaps."""
 
-    def __init__(self, options: RoutingOptions | None = None) -> None:
+    def __init__(
+        self, options: RoutingOptions | None = None, precise: PreciseIndex | None = None
+    ) -> None:
         o = options or RoutingOptions()
         self.index = PrefixIndex(o.default_capacity_blocks, o.max_capacity_blocks)
+        # What workers with KV events really hold; fed by their events, not by our decisions, so
+        # it survives option changes (its keys depend on token ids and block size only).
+        self.precise = precise
         self.sessions = SessionTable(o.session_ttl_s, o.session_max)
         self._key = o.key_fields()
         self._text_block_tokens = o.text_block_tokens
@@ -168,6 +180,8 @@ class RoutingState:
 
     def forget_worker(self, name: str) -> None:
         self.index.remove_worker(name)
+        if self.precise is not None:
+            self.precise.remove_worker(name)
         self.sessions.remove_worker(name)
         self._reported.pop(name, None)
 
@@ -211,10 +225,18 @@ class _Learning:
             self.state.index.record(
                 worker_name, request.chain, dense=request.dense_blocks, tail_ends=request.tail_ends
             )
+        precise = self.state.precise
+        if precise is not None and request.block_chain:
+            precise.note_dispatch(worker_name, request.block_chain, self._clock())
         if request.session_id:
             self.state.sessions.put(
                 request.session_id, worker_name, self._clock(), request.prompt_tokens
             )
+
+    def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
+        precise = self.state.precise
+        if precise is not None and request.block_chain:
+            precise.dispatch_done(worker_name, request.block_chain, self._clock())
 
     def _pick(self, ties: list[Any]) -> Any:
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
@@ -324,6 +346,12 @@ class KVAware(_Learning):
         state = self.state
         chain = request.chain
         matches = state.index.match(chain) if chain else {}
+        precise = state.precise
+        trusted: frozenset[str] = frozenset()
+        if precise is not None and request.block_chain:
+            trusted = precise.trusted(self._clock())
+            if trusted:
+                matches = _merge_precise(matches, trusted, precise, request, self._clock())
         entry = (
             state.sessions.lookup(request.session_id, self._clock()) if request.session_id else None
         )
@@ -368,6 +396,7 @@ class KVAware(_Learning):
             matched_blocks=m,
             prefill_tokens=int(own),
             saturated=n_ok == 0,
+            match_source=("precise" if w.name in trusted else "approx") if m else "",
         )
 
     def _sample(
@@ -510,7 +539,7 @@ class KVAware(_Learning):
             extra = wait - min_wait
             eff = prefix = 0.0
             matched = covered(m) if m else 0.0
-            if w.name == last and last_tokens > matched and m == n_chain:
+            if w.name == last and last_tokens > matched and m >= n_chain:
                 matched = last_tokens if last_tokens < prompt else prompt
             if matched:
                 prefix = matched / prompt
@@ -543,6 +572,27 @@ class KVAware(_Learning):
                     best = score
                     hi, lo = best + tol, best - tol
         return ties, best, n_ok, best_match
+
+
+def _merge_precise(
+    matches: dict[str, int],
+    trusted: frozenset[str],
+    precise: PreciseIndex,
+    request: RouteRequest,
+    now: float,
+) -> dict[str, int]:
+    """Approximate matches for workers without trusted events, precise ones for the others.
+
+    A precise match counts worker blocks; the scorer counts chain entries, so it is converted
+    (exact in the dense head, rounded down to a tail span beyond it).
+    """
+    out = {k: v for k, v in matches.items() if k not in trusted}
+    conv = request.entries_for_blocks
+    for name, blocks in precise.match(request.block_chain, now).items():
+        e = conv(blocks)
+        if e:
+            out[name] = e
+    return out
 
 
 def _uncached(request: RouteRequest, matched_blocks: int) -> int:
@@ -587,6 +637,7 @@ def route_request(
     request_id: str = "",
     options: RoutingOptions | None = None,
     hash_prefix: bool = True,
+    block_chain_blocks: int = 0,
 ) -> RouteRequest:
     """A request body -> its RouteRequest: rendered, hashed (if ``hash_prefix``) and sized once.
 
@@ -616,6 +667,7 @@ def route_request(
         chars_per_token=o.chars_per_token,
         tail_ratio=o.tail_ratio,
         tail_blocks=o.tail_blocks,
+        block_chain_blocks=block_chain_blocks,
     )
     return RouteRequest(
         model=model,
@@ -627,6 +679,7 @@ def route_request(
         session_id=session_id,
         dense_blocks=k.dense_blocks,
         tail_ends=k.tail_ends,
+        block_chain=tuple(k.blocks),
     )
 
 

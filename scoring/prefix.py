@@ -312,6 +312,23 @@ def chain_hashes_tokens(
     )
 
 
+def block_keys(
+    token_ids: Sequence[int], block_size: int, model: str, cache_salt: str, max_blocks: int
+) -> list[int]:
+    """One key per full worker block, as the precise (KV-event) index keys a worker's blocks.
+
+    Seeded by what the worker itself sees (model or LoRA name, ``cache_salt``), never by the
+    gateway's namespace: the events are keyed without knowing which tenant sent the blocks, and
+    vLLM isolates tenants by the salt alone (an isolated tenant always carries its own).
+    """
+    return chain_hashes_tokens(
+        token_ids,
+        block_size=block_size,
+        seed=seed_for(model, "", cache_salt),
+        max_blocks=max_blocks,
+    )
+
+
 class PromptKey(NamedTuple):
     """A prompt's routing key: its chain and what the chain's entries stand for."""
 
@@ -320,6 +337,8 @@ class PromptKey(NamedTuple):
     block_tokens: float  # tokens per block
     dense_blocks: int  # entries [0, dense_blocks) are single blocks; later ones are tail spans
     tail_ends: tuple[int, ...]  # tail entry i ends after tail_ends[i] blocks (tail_layout)
+    # Token mode with KV events: one key per worker block, no tail (``RouteRequest.block_chain``).
+    blocks: Sequence[int] = ()
 
 
 def text_key(
@@ -335,6 +354,7 @@ def text_key(
     chars_per_token: float = 4.0,
     tail_ratio: int = 0,
     tail_blocks: int = 0,
+    block_chain_blocks: int = 0,
 ) -> PromptKey:
     """A request body's PromptKey: rendered, hashed and sized (token counts estimated for text).
 
@@ -363,7 +383,12 @@ def text_key(
             tail_ratio=tail_ratio,
             tail_blocks=tail_blocks,
         )
-        return PromptKey(chain, float(len(text)), float(token_block_size), max_blocks, ends)
+        blocks = (
+            block_keys(text, token_block_size, model, salt, block_chain_blocks)
+            if block_chain_blocks > 0
+            else []
+        )
+        return PromptKey(chain, float(len(text)), float(token_block_size), max_blocks, ends, blocks)
     # surrogatepass: JSON may carry lone surrogates (stdlib json accepts "\\ud800"); never raise
     data = text.encode("utf-8", "surrogatepass")
     chain = chain_hashes_text(

@@ -40,6 +40,7 @@ import xxhash
 from scoring.prefix import (
     PathKind,
     PromptKey,
+    block_keys,
     chain_hashes_tokens,
     render_completion,
     seed_for,
@@ -496,8 +497,12 @@ class TokenKeyer:
         max_blocks: int = 256,
         tail_ratio: int = 0,
         tail_blocks: int = 0,
+        block_chain_blocks: int = 0,
     ) -> PromptKey:
         """The request's PromptKey in the worker's blocks: chain over full ``block_size`` blocks.
+
+        With ``block_chain_blocks``, also one key per worker block (up to that many, no tail):
+        what the precise index keys the worker's KV events by.
 
         Same seed and hash as text mode's token-id path (``seed_for``, ``chain_hashes_tokens``),
         so the same ids key the same chain whichever mode saw them; ``prompt_tokens`` is exact.
@@ -516,7 +521,12 @@ class TokenKeyer:
             tail_blocks=tail_blocks,
         )
         ends = tail_layout(max_blocks, tail_ratio, tail_blocks) if tail_ratio > 0 else ()
-        return PromptKey(chain, float(len(ids)), float(block_size), max_blocks, ends)
+        blocks = (
+            block_keys(ids, block_size, model, salt, block_chain_blocks)
+            if block_chain_blocks > 0
+            else []
+        )
+        return PromptKey(chain, float(len(ids)), float(block_size), max_blocks, ends, blocks)
 
     # -- internals --
     def _encode_with(self, enc: Encoder, text: str) -> array.array[int]:
@@ -587,4 +597,5 @@ def with_key(route: RouteRequest, key: PromptKey) -> RouteRequest:
         prompt_tokens=round(key.prompt_tokens),
         dense_blocks=key.dense_blocks,
         tail_ends=key.tail_ends,
+        block_chain=tuple(key.blocks),
     )

@@ -8,6 +8,7 @@ registry) still build valid views and get sensible, if less informed, routing.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, fields
 
@@ -57,6 +58,20 @@ class RouteRequest:
     # tail entry i ending `tail_ends[i]` blocks into the prompt. No tail: every entry is a block.
     dense_blocks: int = 0
     tail_ends: tuple[int, ...] = ()
+    # Token mode only: one key per worker block (no tail), what a KV-event (precise) index is
+    # keyed by; its first `dense_blocks` entries equal `chain`'s. Empty: no precise matching.
+    block_chain: tuple[int, ...] = ()
+
+    def entries_for_blocks(self, blocks: int) -> int:
+        """Chain entries wholly covered by the first ``blocks`` worker blocks (a precise match).
+
+        Without a tail an entry is a block (``block_chain`` may reach past ``chain``: the match
+        then counts more entries than the chain has, and ``matched_tokens`` stays right).
+        """
+        d = self.dense_blocks
+        if not self.tail_ends or blocks <= d:
+            return blocks
+        return d + bisect.bisect_right(self.tail_ends, blocks)
 
     def matched_tokens(self, entries: int) -> float:
         """Tokens covered by the chain's first ``entries`` entries."""
@@ -77,6 +92,9 @@ class Decision:
     # to the worker's WorkerView.prefill_tokens / sent_tokens_since_scrape bookkeeping.
     prefill_tokens: int = 0
     saturated: bool = False  # every candidate was over a saturation threshold
+    # Where matched_blocks came from: "precise" (the worker's KV events), "approx" (the gateway's
+    # own dispatch history) or "" (no match).
+    match_source: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,6 +158,9 @@ class RoutingOptions:
     max_capacity_blocks: int = 32_768  # memory bound per worker (~6 MB), whatever it reports
     session_ttl_s: float = 600.0
     session_max: int = 100_000
+    # Token mode with KV events: worker blocks keyed per request for the precise index (8,192
+    # blocks = 131k tokens at block size 16; ~0.45 ms of hashing at the cap).
+    precise_max_blocks: int = 8_192
 
     def __post_init__(self) -> None:
         for f in fields(self):

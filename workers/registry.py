@@ -34,6 +34,11 @@ class WorkerSpec:
     weight: float = 1.0
     labels: dict[str, str] = field(default_factory=dict)
     api_key: str = ""
+    # KV events (vLLM --kv-events-config): PUB endpoint, replay endpoint, topic; "" = none.
+    kv_events: str = ""
+    kv_events_replay: str = ""
+    kv_events_topic: str = ""
+    max_concurrency: int = 0  # 0 = the gateway's default per-worker concurrency
 
 
 @dataclass(slots=True)

@@ -22,6 +22,9 @@ class WorkerMetrics:
     prefix_cache_queries: float = 0.0  # tokens, cumulative
     prefix_cache_hits: float = 0.0  # tokens, cumulative
     preemptions: float = 0.0
+    # process_start_time_seconds: a change means the server restarted (its cache and its KV
+    # event sequence are new), even when no probe failed in between.
+    process_start: float | None = None
 
 
 _GAUGES = {
@@ -38,8 +41,12 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
     kv_samples: dict[str, list[float]] = {}
     block_size: int | None = None
     num_blocks: int | None = None
+    start: float | None = None
     for family in text_string_to_metric_families(text):
         name = family.name
+        if name == "process_start_time_seconds":
+            start = family.samples[0].value if family.samples else None
+            continue
         if name == "vllm:cache_config_info":
             for s in family.samples:
                 bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
@@ -73,4 +80,5 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
         prefix_cache_queries=first(_QUERIES),
         prefix_cache_hits=first(_HITS),
         preemptions=sums.get("vllm:num_preemptions", 0.0),
+        process_start=start,
     )

@@ -103,7 +103,7 @@ def settings_for(urls: list[str], **sections: dict[str, Any]) -> Settings:
         "workers": [{"name": f"w{i}", "url": u} for i, u in enumerate(urls)],
     }
     for k, v in sections.items():
-        data[k] = {**data.get(k, {}), **v}
+        data[k] = v if isinstance(v, list) else {**data.get(k, {}), **v}
     return Settings(**data)
 
 

@@ -317,7 +317,7 @@ def gateway_settings(urls: list[str], policy: str = "least_loaded", **sections: 
         "routing": {"policy": policy},
     }
     for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
+        base[k] = v if isinstance(v, list) else {**base.get(k, {}), **v}
     return settings_for(urls, **base)
 
 

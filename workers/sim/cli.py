@@ -4,6 +4,7 @@ One process serving N workers on consecutive ports is what makes an 8-32 worker 
 laptop: each worker is a uvicorn server with its own engine loop, all sharing one event loop.
 
     kvgate sim --port 8101 --workers 4          # sim-1..sim-4 on 8101..8104
+    kvgate sim --workers 2 --kv-events-port 5557  # + KV events: PUB 5557/5559, replay 5558/5560
     python -m workers.sim.cli --profile fast    # same, before the console script is wired
 """
 
@@ -20,6 +21,7 @@ import uvicorn
 
 from workers.sim.engine import EngineConfig
 from workers.sim.faults import Faults, FaultValidationError
+from workers.sim.kv_publisher import LAYOUTS
 from workers.sim.profiles import PROFILES, get_profile
 from workers.sim.server import SimWorkerConfig, bind_sockets, serve_workers
 
@@ -130,6 +132,33 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
 
+    kv = p.add_argument_group(
+        "KV events (vLLM's --kv-events-config: ZMQ PUB of BlockStored/BlockRemoved, with replay)"
+    )
+    kv.add_argument(
+        "--kv-events-port",
+        type=_positive_int,
+        default=None,
+        metavar="BASE",
+        help="publish KV events: worker i (from 0) binds its PUB socket on BASE+2i and its "
+        "replay ROUTER socket on BASE+2i+1 (default: off)",
+    )
+    kv.add_argument(
+        "--kv-events-host",
+        default=None,
+        help="address the KV-event sockets bind (default: the --host address)",
+    )
+    kv.add_argument(
+        "--kv-events-layout",
+        choices=LAYOUTS,
+        default="0.32",
+        help="wire layout: 0.32 (events are maps tagged by type) or 0.11 (positional arrays) "
+        "(default: %(default)s)",
+    )
+    kv.add_argument(
+        "--kv-events-topic", default="kv", help="ZMQ topic of every message (default: %(default)s)"
+    )
+
     flt = p.add_argument_group("fault injection (also settable at runtime: POST /sim/faults)")
     flt.add_argument(
         "--error-rate",
@@ -217,15 +246,35 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    kv_base: int | None = getattr(args, "kv_events_port", None)
+    if kv_base is not None:
+        if kv_base + 2 * args.workers - 1 > 65535:
+            raise ValueError(
+                f"--kv-events-port {kv_base} leaves no room for {args.workers} worker(s)"
+            )
+        # Checked here because both binds set SO_REUSEADDR: an HTTP socket bound but not yet
+        # listening would not stop ZMQ from taking its port.
+        if kv_base < args.port + args.workers and args.port < kv_base + 2 * args.workers:
+            raise ValueError(
+                f"--kv-events-port {kv_base} (ports {kv_base}-{kv_base + 2 * args.workers - 1}) "
+                f"overlaps the HTTP ports {args.port}-{args.port + args.workers - 1}"
+            )
+    kv_host = getattr(args, "kv_events_host", None) or args.host
     return [
         SimWorkerConfig(
             name=f"sim-{i + 1}",
             port=args.port + i,
             model=args.model,
             profile=profile,
-            engine=replace(engine),
+            engine=replace(engine, enable_kv_events=kv_base is not None),
             default_max_tokens=args.default_max_tokens,
             faults=_faults_from_args(args),
+            kv_events=kv_base is not None,
+            kv_events_host=kv_host,
+            kv_events_port=kv_base + 2 * i if kv_base is not None else 0,
+            kv_replay_port=kv_base + 2 * i + 1 if kv_base is not None else 0,
+            kv_events_topic=getattr(args, "kv_events_topic", "kv"),
+            kv_events_layout=getattr(args, "kv_events_layout", "0.32"),
         )
         for i in range(args.workers)
     ]
@@ -253,20 +302,32 @@ def run_sim(args: argparse.Namespace) -> int:
         return 2
     host_url = f"[{args.host}]" if ":" in args.host else args.host
 
-    def announce(_: list[uvicorn.Server]) -> None:
-        for c in cfgs:
+    def announce(servers: list[uvicorn.Server]) -> None:
+        for c, s in zip(cfgs, servers, strict=True):
             e = c.engine
             profile = c.profile if isinstance(c.profile, str) else c.profile.name
-            print(
+            line = (
                 f"{c.name}: http://{host_url}:{c.port}  model={c.model} profile={profile} "
-                f"kv={e.num_blocks}x{e.block_size} max_num_seqs={e.max_num_seqs}",
-                flush=True,
+                f"kv={e.num_blocks}x{e.block_size} max_num_seqs={e.max_num_seqs}"
             )
+            worker = s.config.app.state.worker
+            if worker.kv_endpoint is not None:
+                line += (
+                    f"  kv_events={worker.kv_endpoint} replay={worker.kv_replay_endpoint} "
+                    f"topic={c.kv_events_topic} layout={c.kv_events_layout}"
+                )
+            print(line, flush=True)
 
-    with _runner() as runner:
-        runner.run(
-            serve_workers(cfgs, args.host, sockets=socks, on_started=announce, handle_signals=True)
-        )
+    try:
+        with _runner() as runner:
+            runner.run(
+                serve_workers(
+                    cfgs, args.host, sockets=socks, on_started=announce, handle_signals=True
+                )
+            )
+    except OSError as e:  # e.g. a KV-event port is taken (bound before anything is served)
+        print(f"kvgate sim: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -97,6 +97,12 @@ class KVEvent:
     block_hashes: list[int] = field(default_factory=list)
     parent_block_hash: int | None = None
     token_ids: list[int] = field(default_factory=list)
+    # BlockStored only, as vLLM fills them: tokens per block, and one entry per stored block of the
+    # extra inputs folded into its hash (None where there are none). The cache salt is folded into
+    # a prompt's first block only, so only an event starting there carries it, as `(salt,)`.
+    block_size: int = 0
+    extra_keys: list[tuple[str, ...] | None] | None = None
+    lora_name: str | None = None  # the simulator serves no LoRA adapters
 
 
 _MASK64 = (1 << 64) - 1
@@ -140,6 +146,7 @@ class _Req:
         "prompt_len",
         "rid",
         "root",
+        "salt",
         "tail",
     )
 
@@ -159,6 +166,7 @@ class _Req:
         self.num_registered = 0  # leading blocks already considered for the prefix cache
         self.hashes: list[int] = []  # chained hashes of this request's full blocks, in order
         self.root = _salt_root(req.cache_salt)
+        self.salt = req.cache_salt or None  # "" salts nothing, in the hash and in KV events
         self.tail: list[int] = []  # tokens after the last full prompt block, then the outputs
         self.num_cached = -1  # prompt tokens served from cache at first admission
         self.num_preemptions = 0
@@ -365,6 +373,10 @@ class Engine:
             prompt_token_ids, len(prompt_token_ids) // self._bs, _salt_root(cache_salt)
         )
 
+    def cached_block_hashes(self) -> set[int]:
+        """Every reusable block hash (held or evictable): what a KV-event subscriber should hold."""
+        return set(self._cached)
+
     def take_kv_events(self) -> list[KVEvent]:
         """Events recorded since the last call (empty unless `enable_kv_events`)."""
         if not self._events:
@@ -537,7 +549,10 @@ class Engine:
         for k in range(first, first + len(hashes)):
             tokens += self._block_tokens(r, k)
         parent = r.hashes[first - 1] if first else None
-        self._events.append(KVEvent("BlockStored", hashes, parent, tokens))
+        extra: list[tuple[str, ...] | None] = [None] * len(hashes)
+        if not first and r.salt is not None:
+            extra[0] = (r.salt,)
+        self._events.append(KVEvent("BlockStored", hashes, parent, tokens, self._bs, extra))
 
     def _grow(self, r: _Req, n: int) -> bool:
         """Give a running request the blocks for n more tokens; False if the pool is short."""

@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from workers.sim.engine import Engine, EngineStats, RequestOutput, SimRequest
+from workers.sim.engine import Engine, EngineStats, KVEvent, RequestOutput, SimRequest
 
 _log = logging.getLogger(__name__)
 
@@ -89,8 +89,13 @@ class RequestHandle:
 class EngineLoop:
     """Runs `engine.step` back to back while there is work, sleeping each step's duration."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, on_kv_events: Callable[[list[KVEvent]], None] | None = None
+    ) -> None:
         self.engine = engine
+        # Called right after each step that recorded KV events, so they leave in step order and
+        # before anything else (a prefix-cache reset between steps) can touch the engine.
+        self.on_kv_events = on_kv_events
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -162,6 +167,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         engine = self.engine
         handles = self._handles
+        on_kv_events = self.on_kv_events
         deadline = loop.time()
         while True:
             if not engine.has_work():
@@ -172,6 +178,10 @@ class EngineLoop:
             if now - deadline > _MAX_LAG_S:
                 deadline = now
             step = engine.step(deadline)
+            if on_kv_events is not None:
+                events = engine.take_kv_events()
+                if events:  # vLLM publishes one batch per step that produced events
+                    on_kv_events(events)
             deadline += step.duration
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)

@@ -27,7 +27,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import orjson
@@ -45,8 +45,9 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from workers.sim import tokenizer as tok
-from workers.sim.engine import Engine, EngineConfig, RequestOutput, SimRequest
+from workers.sim.engine import Engine, EngineConfig, KVEvent, RequestOutput, SimRequest
 from workers.sim.faults import Faults, FaultValidationError, error_type_for_status
+from workers.sim.kv_publisher import LAYOUTS, KVEventPublisher
 from workers.sim.profiles import TimingProfile, get_profile
 from workers.sim.realtime import EngineLoop, RequestHandle
 
@@ -92,6 +93,16 @@ class SimWorkerConfig:
     # Used when a request names no max_tokens; always capped by max_model_len - prompt.
     default_max_tokens: int = 64
     faults: Faults = field(default_factory=Faults)
+    # KV events as vLLM's `--kv-events-config` publishes them: a ZMQ PUB socket and a ROUTER
+    # replay socket on `kv_events_host`. Port 0 takes any free port (see SimWorker.kv_endpoint);
+    # `kv_replay_port=None` serves no replay. Publishing turns on the engine's event recording.
+    kv_events: bool = False
+    kv_events_host: str = "127.0.0.1"
+    kv_events_port: int = 0
+    kv_replay_port: int | None = 0
+    kv_events_topic: str = "kv"
+    kv_events_layout: str = "0.32"  # "0.32": maps tagged by "type"; "0.11": positional arrays
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
 
 
 class HTTPError(Exception):
@@ -494,7 +505,13 @@ class SimWorker:
             cfg.profile if isinstance(cfg.profile, TimingProfile) else get_profile(cfg.profile)
         )
         self.profile = profile
-        self.engine = Engine(cfg.engine, profile)
+        engine_cfg = cfg.engine
+        if cfg.kv_events and not engine_cfg.enable_kv_events:
+            engine_cfg = replace(engine_cfg, enable_kv_events=True)
+            self.engine_config = engine_cfg
+        if cfg.kv_events and cfg.kv_events_layout not in LAYOUTS:
+            raise ValueError(f"kv_events_layout must be one of {LAYOUTS}")
+        self.engine = Engine(engine_cfg, profile)
         self.loop = EngineLoop(self.engine)
         self.faults = cfg.faults
         self.registry = CollectorRegistry(auto_describe=False)
@@ -512,14 +529,63 @@ class SimWorker:
         self.perm_id = f"modelperm-{secrets.token_hex(8)}"
         self._seq = itertools.count()
         self.num_requests = 0
+        # Last, so nothing after the bind can fail and leave its sockets open.
+        self.kv_publisher: KVEventPublisher | None = None
+        if cfg.kv_events:
+            self.kv_publisher = KVEventPublisher(
+                cfg.kv_events_host,
+                cfg.kv_events_port,
+                cfg.kv_replay_port,
+                topic=cfg.kv_events_topic,
+                layout=cfg.kv_events_layout,  # type: ignore[arg-type]
+                buffer_steps=cfg.kv_events_buffer_steps,
+            )
+            self.loop.on_kv_events = self.kv_publisher.publish
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.loop.start()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
 
     async def stop(self) -> None:
         await self.loop.stop()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
+
+    def close_sockets(self) -> None:
+        """Release the KV-event sockets of a worker whose server never ran its shutdown."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.close_now()
+
+    # -- KV events -------------------------------------------------------------------------
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        """The bound PUB endpoint (`tcp://host:port`), or None when not publishing."""
+        return self.kv_publisher.endpoint if self.kv_publisher is not None else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        return self.kv_publisher.replay_endpoint if self.kv_publisher is not None else None
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's /reset_prefix_cache: False (nothing dropped) while requests hold blocks.
+
+        The resulting AllBlocksCleared goes out at once rather than with the next step's batch:
+        an idle worker may not step again for a long time, and subscribers should not keep
+        routing to blocks that are gone.
+        """
+        ok = self.engine.reset_prefix_cache()
+        self._flush_kv_events()
+        return ok
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_publisher is not None:
+            events: list[KVEvent] = self.engine.take_kv_events()
+            if events:
+                self.kv_publisher.publish(events)
 
     # -- request validation ----------------------------------------------------------------
 
@@ -1193,8 +1259,13 @@ def _routes(w: SimWorker) -> list[Route]:
         return _json(w.faults.to_dict())
 
     async def faults_reset(_: Request) -> Response:
+        # Back to a clean worker: no faults and, when nothing is running, a cold prefix cache.
         w.faults.reset()
+        w.reset_prefix_cache()
         return _json(w.faults.to_dict())
+
+    async def reset_prefix_cache(_: Request) -> Response:
+        return _json({"success": w.reset_prefix_cache()})
 
     return [
         Route("/v1/chat/completions", _GenerateEndpoint(w, chat=True)),
@@ -1208,6 +1279,7 @@ def _routes(w: SimWorker) -> list[Route]:
         Route("/sim/faults", faults_get, methods=["GET"]),
         Route("/sim/faults", faults_post, methods=["POST"]),
         Route("/sim/reset", faults_reset, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
 
 
@@ -1330,21 +1402,30 @@ def build_servers(
     cfgs: Sequence[SimWorkerConfig], host: str, graceful_timeout_s: float = 3.0
 ) -> list[uvicorn.Server]:
     servers: list[uvicorn.Server] = []
-    for cfg in cfgs:
-        config = uvicorn.Config(
-            create_app(cfg),
-            host=host,
-            port=cfg.port,
-            loop=_loop_impl(),
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            log_level="warning",
-            timeout_graceful_shutdown=graceful_timeout_s,
-            timeout_keep_alive=30,
-        )
-        servers.append(_Server(config))
+    try:
+        for cfg in cfgs:
+            servers.append(_build_server(cfg, host, graceful_timeout_s))
+    except BaseException:  # e.g. a taken KV-event port: release what the others bound
+        for s in servers:
+            s.config.app.state.worker.close_sockets()
+        raise
     return servers
+
+
+def _build_server(cfg: SimWorkerConfig, host: str, graceful_timeout_s: float) -> uvicorn.Server:
+    config = uvicorn.Config(
+        create_app(cfg),
+        host=host,
+        port=cfg.port,
+        loop=_loop_impl(),
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=graceful_timeout_s,
+        timeout_keep_alive=30,
+    )
+    return _Server(config)
 
 
 async def serve_workers(
@@ -1368,7 +1449,12 @@ async def serve_workers(
     socks = list(sockets) if sockets is not None else bind_sockets(host, [c.port for c in cfgs])
     if len(socks) != len(cfgs):
         raise ValueError("one socket per worker config is required")
-    servers = build_servers(cfgs, host, graceful_timeout_s)
+    try:
+        servers = build_servers(cfgs, host, graceful_timeout_s)
+    except BaseException:  # as after serving: the HTTP sockets are closed either way
+        for sk in socks:
+            sk.close()
+        raise
     loop = asyncio.get_running_loop()
 
     def request_exit() -> None:
@@ -1413,3 +1499,6 @@ async def serve_workers(
             loop.remove_signal_handler(sig)
         for sk in socks:
             sk.close()
+        # A server stopped before its startup finished skips its lifespan shutdown.
+        for s in servers:
+            s.config.app.state.worker.close_sockets()

@@ -8,6 +8,10 @@ worker from this loop, and gives back their URLs plus the worker objects for dir
     async with run_sim_workers(2, profile="fast", num_blocks=256) as fleet:
         fleet[0]            # "http://127.0.0.1:41234"
         fleet.workers[0]    # SimWorker: .engine, .faults, .metrics
+
+With `kv_events=True` every worker also publishes vLLM-style KV events on free ports:
+`fleet.kv_endpoints[i]` (ZMQ PUB) and `fleet.kv_replay_endpoints[i]` (ROUTER replay), both
+"tcp://127.0.0.1:PORT".
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ class SimFleet(list[str]):
     def ports(self) -> list[int]:
         return [int(u.rsplit(":", 1)[1]) for u in self]
 
+    @property
+    def kv_endpoints(self) -> list[str]:
+        """Each worker's KV-event PUB endpoint (empty unless started with kv_events=True)."""
+        return [w.kv_endpoint for w in self.workers if w.kv_endpoint is not None]
+
+    @property
+    def kv_replay_endpoints(self) -> list[str]:
+        return [w.kv_replay_endpoint for w in self.workers if w.kv_replay_endpoint is not None]
+
 
 @contextlib.asynccontextmanager
 async def run_sim_workers(
@@ -52,13 +65,17 @@ async def run_sim_workers(
     faults: dict[str, Any] | None = None,
     engine: EngineConfig | None = None,
     host: str = "127.0.0.1",
+    kv_events: bool = False,
+    kv_events_layout: str = "0.32",
+    kv_events_topic: str = "kv",
     **engine_fields: Any,
 ) -> AsyncIterator[SimFleet]:
     """Serve `n` simulated workers on free ports until the block exits.
 
     `engine_fields` (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
     ...) override `engine` (default `EngineConfig()`) for every worker; `faults` is applied to each
-    worker's own `Faults`. Workers are named sim-1..sim-n like the CLI names them.
+    worker's own `Faults`. Workers are named sim-1..sim-n like the CLI names them. `kv_events`
+    makes each worker publish KV events (and serve replay) on free ports of `host`.
     """
     unknown = set(engine_fields) - _ENGINE_FIELDS
     if unknown:
@@ -80,6 +97,10 @@ async def run_sim_workers(
                 engine=replace(base),
                 default_max_tokens=default_max_tokens,
                 faults=f,
+                kv_events=kv_events,
+                kv_events_host=host,
+                kv_events_layout=kv_events_layout,
+                kv_events_topic=kv_events_topic,
             )
         )
     started: asyncio.Future[list[uvicorn.Server]] = asyncio.get_running_loop().create_future()

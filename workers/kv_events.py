@@ -1,0 +1,937 @@
+"""vLLM KV-cache events: the wire format and a self-healing subscriber.
+
+The precise index is only as good as the event stream behind it, and that stream is lossy by
+design: ZMQ PUB drops messages a subscriber was not connected for (or had no room for), servers
+restart and begin a new sequence, and formats drift between vLLM releases. So the decoding half
+is strict about structure (a malformed batch is an error, never a half-applied guess) but
+tolerant of growth (unknown event types and trailing fields are skipped), and the subscriber
+treats every sequence number as evidence: a hole is filled from the publisher's replay buffer
+when it can be, and otherwise the worker's entries are reset so the index under-claims instead
+of routing on blocks that may be gone.
+
+Wire (see tests/fixtures/vllm-0.32/README.md): PUB ``[topic, seq (8-byte BE signed), payload]``,
+payload msgpack ``[ts, [event, ...], data_parallel_rank]``; events are maps tagged by ``"type"``
+(0.32) or positional arrays with the tag first (0.11). Replay: a DEALER sends
+``[b"", start_seq]`` and gets ``[b"", topic, seq, payload]`` per buffered batch (older servers
+omit the topic frame), then an end marker with seq -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import struct
+import time
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeAlias
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+__all__ = [
+    "FULL_ATTENTION",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineHash",
+    "KVEvent",
+    "KVEventDecodeError",
+    "KVEventSink",
+    "KVEventStats",
+    "KVEventSubscriber",
+    "decode_batch",
+    "encode_batch",
+]
+
+log = logging.getLogger("kvgate.kv_events")
+
+EngineHash: TypeAlias = int | bytes
+FULL_ATTENTION = "full_attention"
+Layout: TypeAlias = Literal["0.32", "0.11"]
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(slots=True, frozen=True)
+class BlockStored:
+    """Full blocks the engine just cached, as one parent-linked chain.
+
+    ``cache_salt`` is lifted out of ``extra_keys`` because it is the only extra key the index
+    needs to rebuild a chain's root seed. ``group_idx`` is the engine's KV-cache group: only the
+    full-attention group holds reusable prefix KV, so other groups are kept for the consumer to
+    skip rather than dropped here (``is_full_attention`` decides with the spec kind when the
+    event carries it, since a hybrid model's full-attention group need not be group 0).
+    """
+
+    engine_hashes: tuple[EngineHash, ...]
+    parent: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+    medium: str | None
+    cache_salt: str | None
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+    lora_id: int | None = None
+
+    @property
+    def is_full_attention(self) -> bool:
+        if self.kv_cache_spec_kind is not None:
+            return self.kv_cache_spec_kind == FULL_ATTENTION
+        return self.group_idx == 0
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRemoved:
+    """Blocks evicted from ``medium``; ``group_idx`` because hybrid models evict per group and
+    the same engine hash can live in several groups."""
+
+    engine_hashes: tuple[EngineHash, ...]
+    medium: str | None
+    group_idx: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class AllBlocksCleared:
+    """The engine dropped its whole prefix cache (e.g. ``/reset_prefix_cache``)."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventDecodeError(ValueError):
+    """A payload that is not a KV-event batch; raised instead of guessing at a partial one."""
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _fail(msg: str) -> KVEventDecodeError:
+    return KVEventDecodeError(msg)
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int  # bool is an int subclass but never a valid field here
+
+
+def _hash(v: object, what: str) -> EngineHash:
+    if _is_int(v) or isinstance(v, bytes):
+        return v  # type: ignore[return-value]
+    raise _fail(f"{what}: expected int or bytes, got {type(v).__name__}")
+
+
+def _hashes(v: object) -> tuple[EngineHash, ...]:
+    if not isinstance(v, list):
+        raise _fail(f"block_hashes: expected a list, got {type(v).__name__}")
+    return tuple(_hash(h, "block_hashes") for h in v)
+
+
+def _opt_hash(v: object) -> EngineHash | None:
+    return None if v is None else _hash(v, "parent_block_hash")
+
+
+def _token_ids(v: object) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise _fail("token_ids: expected a list of ints")
+    return tuple(v)
+
+
+def _int(v: object, what: str) -> int:
+    if not _is_int(v):
+        raise _fail(f"{what}: expected an int, got {type(v).__name__}")
+    return v  # type: ignore[return-value]
+
+
+def _group(v: object) -> int:
+    # Absent (0.11, or omitted as a default) means the only group there is.
+    return 0 if v is None else _int(v, "group_idx")
+
+
+def _soft_str(v: object) -> str | None:
+    # Descriptive metadata: a type we do not expect is dropped, not fatal.
+    return v if isinstance(v, str) else None
+
+
+def _soft_int(v: object) -> int | None:
+    return v if _is_int(v) else None  # type: ignore[return-value]
+
+
+def _salt(extra_keys: object, parent: EngineHash | None, lora_name: str | None) -> str | None:
+    """vLLM hashes ``cache_salt`` into the first block of a request only, after the LoRA name
+    (then multimodal ids), so it is the last string of that block's extra keys."""
+    if parent is not None or not isinstance(extra_keys, list) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list | tuple):
+        return None
+    keys = [k for k in first if isinstance(k, str)]
+    if lora_name is not None and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    return keys[-1] if keys else None
+
+
+def _stored(
+    hashes: object,
+    parent: object,
+    token_ids: object,
+    block_size: object,
+    lora_id: object,
+    medium: object,
+    lora_name: object,
+    extra_keys: object,
+    group_idx: object,
+    kind: object,
+) -> BlockStored:
+    p = _opt_hash(parent)
+    name = _soft_str(lora_name)
+    return BlockStored(
+        engine_hashes=_hashes(hashes),
+        parent=p,
+        token_ids=_token_ids(token_ids),
+        block_size=_int(block_size, "block_size"),
+        lora_name=name,
+        medium=_soft_str(medium),
+        cache_salt=_salt(extra_keys, p, name),
+        group_idx=_group(group_idx),
+        kv_cache_spec_kind=_soft_str(kind),
+        lora_id=_soft_int(lora_id),
+    )
+
+
+def _required(m: dict[Any, Any], *keys: str) -> list[Any]:
+    missing = [k for k in keys if k not in m]
+    if missing:
+        raise _fail(f"missing {', '.join(missing)}")
+    return [m[k] for k in keys]
+
+
+def _stored_from_map(m: dict[Any, Any]) -> BlockStored:
+    hashes, token_ids, block_size = _required(m, "block_hashes", "token_ids", "block_size")
+    return _stored(
+        hashes,
+        m.get("parent_block_hash"),
+        token_ids,
+        block_size,
+        m.get("lora_id"),
+        m.get("medium"),
+        m.get("lora_name"),
+        m.get("extra_keys"),
+        m.get("group_idx"),
+        m.get("kv_cache_spec_kind"),
+    )
+
+
+def _removed_from_map(m: dict[Any, Any]) -> BlockRemoved:
+    (hashes,) = _required(m, "block_hashes")
+    return BlockRemoved(_hashes(hashes), _soft_str(m.get("medium")), _group(m.get("group_idx")))
+
+
+def _at(a: list[Any], i: int) -> Any:
+    return a[i] if len(a) > i else None
+
+
+def _stored_from_array(a: list[Any]) -> BlockStored:
+    # ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, (later releases
+    # append, in struct order:) lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]
+    if len(a) < 5:
+        raise _fail(f"BlockStored array of {len(a)} fields, need at least 5")
+    group = a[9] if len(a) > 9 and _is_int(a[9]) else None
+    return _stored(
+        a[1], a[2], a[3], a[4], _at(a, 5), _at(a, 6), _at(a, 7), _at(a, 8), group, _at(a, 10)
+    )
+
+
+def _removed_from_array(a: list[Any]) -> BlockRemoved:
+    if len(a) < 2:
+        raise _fail("BlockRemoved array without block_hashes")
+    group = a[3] if len(a) > 3 and _is_int(a[3]) else None
+    return BlockRemoved(_hashes(a[1]), _soft_str(_at(a, 2)), _group(group))
+
+
+def _cleared(_ev: Any) -> AllBlocksCleared:
+    return AllBlocksCleared()
+
+
+_FROM_MAP: dict[str, Callable[[Any], KVEvent]] = {
+    "BlockStored": _stored_from_map,
+    "BlockRemoved": _removed_from_map,
+    "AllBlocksCleared": _cleared,
+}
+_FROM_ARRAY: dict[str, Callable[[Any], KVEvent]] = {
+    "BlockStored": _stored_from_array,
+    "BlockRemoved": _removed_from_array,
+    "AllBlocksCleared": _cleared,
+}
+
+
+def decode_batch(
+    payload: bytes | bytearray | memoryview, *, skipped: Counter[str] | None = None
+) -> tuple[float, list[KVEvent], int | None]:
+    """``(ts, events, data_parallel_rank)`` of one published batch, either layout.
+
+    Event types this module does not know are left out (counted into ``skipped`` by type when
+    given) so a newer vLLM that adds one does not blind the index to the types it does know.
+    """
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise _fail(f"not msgpack: {e}") from e
+    if isinstance(raw, dict):  # a server that encodes the batch struct as a map
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], _at(raw, 2)
+    else:
+        raise _fail(f"not a [ts, events, rank] batch: {type(raw).__name__}")
+    if not (isinstance(ts, float) or _is_int(ts)):
+        raise _fail(f"ts: expected a number, got {type(ts).__name__}")
+    if not isinstance(events, list):
+        raise _fail(f"events: expected a list, got {type(events).__name__}")
+    if rank is not None and not _is_int(rank):
+        raise _fail(f"data_parallel_rank: expected an int, got {type(rank).__name__}")
+    out: list[KVEvent] = []
+    for i, ev in enumerate(events):
+        if isinstance(ev, dict):
+            tag, table = ev.get("type"), _FROM_MAP
+        elif isinstance(ev, list) and ev:
+            tag, table = ev[0], _FROM_ARRAY
+        else:
+            raise _fail(f"event {i}: neither a tagged map nor a tagged array")
+        if not isinstance(tag, str):
+            raise _fail(f"event {i}: no type tag")
+        decode = table.get(tag)
+        if decode is None:
+            if skipped is not None:
+                skipped[tag] += 1
+            continue
+        try:
+            out.append(decode(ev))
+        except KVEventDecodeError as e:
+            raise _fail(f"event {i} ({tag}): {e}") from None
+    return float(ts), out, rank
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _extra_keys(ev: BlockStored) -> list[list[str] | None]:
+    # vLLM's per-block extra keys: the LoRA name on every block, the salt on a request's first.
+    out: list[list[str] | None] = []
+    for i in range(len(ev.engine_hashes)):
+        keys = [ev.lora_name] if ev.lora_name else []
+        if i == 0 and ev.parent is None and ev.cache_salt:
+            keys.append(ev.cache_salt)
+        out.append(keys or None)
+    return out
+
+
+def _to_map(ev: KVEvent) -> dict[str, Any]:
+    if isinstance(ev, BlockStored):
+        m: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(ev.engine_hashes),
+            "parent_block_hash": ev.parent,
+            "token_ids": list(ev.token_ids),
+            "block_size": ev.block_size,
+            "lora_id": ev.lora_id,
+            "medium": ev.medium,
+            "lora_name": ev.lora_name,
+            "extra_keys": _extra_keys(ev),
+            "group_idx": ev.group_idx,
+        }
+        kind = ev.kv_cache_spec_kind
+        if kind is None and ev.group_idx == 0:
+            kind = FULL_ATTENTION  # what a non-hybrid vLLM 0.32 always sends
+        if kind is not None:  # msgspec's omit_defaults leaves a None kind out
+            m["kv_cache_spec_kind"] = kind
+        return m
+    if isinstance(ev, BlockRemoved):
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(ev.engine_hashes),
+            "medium": ev.medium,
+            "group_idx": ev.group_idx,
+        }
+    if isinstance(ev, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def _to_array(ev: KVEvent) -> list[Any]:
+    if isinstance(ev, BlockStored):
+        return [
+            "BlockStored",
+            list(ev.engine_hashes),
+            ev.parent,
+            list(ev.token_ids),
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+        ]
+    if isinstance(ev, BlockRemoved):
+        return ["BlockRemoved", list(ev.engine_hashes), ev.medium]
+    if isinstance(ev, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def encode_batch(
+    ts: float, events: Iterable[KVEvent], layout: Layout = "0.32", rank: int | None = 0
+) -> bytes:
+    """One batch in the exact shape a vLLM of that layout publishes, so a simulated worker is
+    indistinguishable from a real one to any subscriber (ours or a third party's). The 0.11
+    layout has no place for a salt, LoRA name or group: those are dropped."""
+    if layout == "0.32":
+        encoded: list[Any] = [_to_map(e) for e in events]
+    elif layout == "0.11":
+        encoded = [_to_array(e) for e in events]
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return msgpack.packb([float(ts), encoded, rank], use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- subscriber
+
+
+class KVEventSink(Protocol):
+    """What a subscriber drives. Called on the event loop for every batch, so it must not
+    block; ``reset`` reasons: "restart", "gap", "cleared", "disconnect", "health" (or whatever
+    a caller passed to ``resync``)."""
+
+    def apply(self, worker: str, events: Sequence[KVEvent]) -> None: ...
+
+    def reset(self, worker: str, reason: str) -> None: ...
+
+    def set_live(self, worker: str, live: bool) -> None: ...
+
+
+@dataclass
+class KVEventStats:
+    events: int = 0  # decoded events handed to the sink
+    batches: int = 0  # batches applied (from the stream or a replay)
+    gaps: int = 0  # sequence holes seen on the stream
+    replays: int = 0  # replay requests sent
+    replay_failures: int = 0  # of those, no usable answer (timeout, unreachable, malformed)
+    resets: int = 0  # sink.reset calls
+    decode_errors: int = 0  # undecodable batches or frames
+    last_seq: int | None = None  # last sequence applied (-1: the publisher had published none)
+    last_event_monotonic: float | None = None  # when the publisher last sent us a batch
+    connected: bool = False  # the SUB socket has a live connection to the publisher
+    duplicates: int = 0  # batches seen twice (stream and replay overlap) and skipped
+    skipped_events: int = 0  # events of unknown types left out
+
+
+_SEQ = struct.Struct(">q")
+_END_SEQ = -1
+_INBOX_MAX = 50_000  # stream batches held while a replay runs; beyond it ZMQ's HWM takes over
+_RING = 4096  # how far back a repeated sequence can still be recognised as a duplicate
+_WARN_EVERY_S = 10.0
+
+_shared: zmq.asyncio.Context | None = None
+
+
+def _context() -> zmq.asyncio.Context:
+    """One asyncio context for all subscribers: a context per worker would cost an I/O thread
+    each. (``zmq.asyncio.Context.instance()`` can hand back a plain context if one was made
+    first, so it is not used.)"""
+    global _shared
+    if _shared is None or _shared.closed:
+        _shared = zmq.asyncio.Context()
+    return _shared
+
+
+def _parse_seq(frame: bytes) -> int | None:
+    return _SEQ.unpack(frame)[0] if len(frame) == 8 else None
+
+
+class _ReplayError(Exception):
+    pass
+
+
+class KVEventSubscriber:
+    """Keeps ``sink`` equal to one worker's KV cache, as far as its events allow.
+
+    Three tasks: a reader that drains the SUB socket into an inbox (so the stream is buffered,
+    not lost, while a replay is in flight), a monitor reader (connects and disconnects), and a
+    processor that applies batches in sequence order and does every replay. Only the processor
+    touches the sequence state or the sink, so there is no interleaving to reason about.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        endpoint: str,
+        sink: KVEventSink,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.worker = worker
+        self.endpoint = endpoint
+        self.sink = sink
+        self.replay_endpoint = replay_endpoint or None
+        self.topic = topic
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = KVEventStats()
+        self._ctx = ctx
+        self._sub: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inbox: deque[tuple[int, bytes]] = deque()
+        self._control: deque[tuple[str, str]] = deque()
+        self._wake: asyncio.Event | None = None
+        self._room: asyncio.Event | None = None
+        # Sequence state (processor only). _ring holds payload digests of the last _RING
+        # applied sequences, from _ring_from on: a repeated seq with the same bytes is a
+        # duplicate, with other bytes a new publisher.
+        self._last: int | None = None
+        self._ring = array("q", bytes(8 * _RING))
+        self._ring_from: int | None = None
+        self._synced = False  # the publisher's history is in (a replay from 0 succeeded)
+        self._lost_connection = False  # disconnected since the last successful sync
+        self._live: bool | None = None
+        self._skipped: Counter[str] = Counter()
+        self._warned: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks)
+
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        ctx = self._ctx or _context()
+        self._wake, self._room = asyncio.Event(), asyncio.Event()
+        self._room.set()
+        self._set_live(False)
+        sub = ctx.socket(zmq.SUB)
+        mon: zmq.asyncio.Socket | None = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB HWM: bursts must not be dropped
+            sub.setsockopt(zmq.RECONNECT_IVL, 100)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off from a dead host
+            # Heartbeats notice a publisher host that vanished without closing the connection.
+            sub.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+            mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            sub.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            # A bad endpoint (vLLM's own "tcp://*:5557" copied into the gateway config, say) is
+            # a config error for this worker only; the others must still subscribe.
+            log.error(
+                "kv events %s: cannot subscribe to %r: %s (use the publisher's host, not *)",
+                self.worker,
+                self.endpoint,
+                e,
+            )
+            self._close_sockets(sub, mon)
+            return
+        assert mon is not None
+        self._sub, self._mon = sub, mon
+        name = f"kv-events-{self.worker}"
+        self._tasks = [
+            asyncio.create_task(self._read_stream(sub), name=f"{name}-sub"),
+            asyncio.create_task(self._read_monitor(mon), name=f"{name}-monitor"),
+            asyncio.create_task(self._process(), name=f"{name}-apply"),
+        ]
+        for t in self._tasks:
+            t.add_done_callback(self._task_done)
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
+        self._close_sockets(sub, mon)
+        self._inbox.clear()
+        self._control.clear()
+        self.stats.connected = False
+        if self._last is not None:
+            self._lost_connection = True  # a later start() must check it is the same publisher
+        self._set_live(False)
+
+    def resync(self, reason: str) -> None:
+        """Void what the sink holds for this worker and rebuild it from the replay buffer.
+
+        For callers that learn of a restart before the stream shows it (the health prober sees
+        a new process; a restarted server may not have published yet).
+        """
+        if not self._tasks:
+            self._reset(reason)
+            return
+        self._set_live(False)
+        if ("resync", reason) not in self._control:
+            self._control.append(("resync", reason))
+        self._wake_up()
+
+    # ----------------------------------------------------------------- tasks
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "kv events %s: %s died", self.worker, task.get_name(), exc_info=task.exception()
+            )
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _read_stream(self, sub: zmq.asyncio.Socket) -> None:
+        assert self._room is not None
+        while True:
+            try:
+                frames = await sub.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                if sub.closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                    return
+                log.warning("kv events %s: receive failed: %s", self.worker, e)
+                await asyncio.sleep(0.1)
+                continue
+            except Exception:
+                log.exception("kv events %s: receive failed", self.worker)
+                await asyncio.sleep(0.1)
+                continue
+            seq = _parse_seq(frames[1]) if len(frames) == 3 else None
+            if seq is None:
+                self.stats.decode_errors += 1
+                self._warn("frames", "not a [topic, seq, payload] message (%d frames)", len(frames))
+                continue
+            self.stats.last_event_monotonic = time.monotonic()
+            self._inbox.append((seq, frames[2]))
+            self._wake_up()
+            if len(self._inbox) >= _INBOX_MAX:
+                self._room.clear()
+                await self._room.wait()
+
+    async def _read_monitor(self, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await mon.recv_multipart())["event"]
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                if mon.closed:
+                    return
+                await asyncio.sleep(0.1)
+                continue
+            except Exception:
+                log.exception("kv events %s: monitor failed", self.worker)
+                await asyncio.sleep(0.1)
+                continue
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.stats.connected = True
+                self._control.append(("connected", ""))
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.stats.connected = False
+                self._control.append(("disconnected", ""))
+            elif event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            self._wake_up()
+
+    async def _process(self) -> None:
+        assert self._wake is not None and self._room is not None
+        try:
+            if self.replay_endpoint is not None:
+                if self._last is None:
+                    await self._full_sync()
+                else:
+                    await self._reconnect_sync()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv events %s: initial sync failed", self.worker)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._control or self._inbox:
+                try:
+                    if self._control:
+                        kind, arg = self._control.popleft()
+                        await self._on_control(kind, arg)
+                    else:
+                        seq, payload = self._inbox.popleft()
+                        if not self._room.is_set() and len(self._inbox) < _INBOX_MAX // 2:
+                            self._room.set()
+                        await self._on_message(seq, payload)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("kv events %s: failed to handle an update", self.worker)
+
+    # ----------------------------------------------------------------- processing
+
+    async def _on_control(self, kind: str, arg: str) -> None:
+        if kind == "resync":
+            self._reset(arg)
+            if self.replay_endpoint is not None:
+                await self._full_sync()
+            else:
+                self._set_live(self.stats.connected)
+        elif kind == "disconnected":
+            self._lost_connection = True
+            self._set_live(False)
+        elif kind == "connected":
+            if self.replay_endpoint is not None and (self._lost_connection or not self._synced):
+                await self._reconnect_sync()
+            self._set_live(True)
+
+    async def _on_message(self, seq: int, payload: bytes) -> None:
+        if self._lost_connection and self.replay_endpoint is not None:
+            # First batch over a new connection, ahead of the monitor's news of it. Only the
+            # reconnect check can tell a restarted publisher whose sequence has already passed
+            # ours (which would pass for a gap and be "filled" from the wrong history).
+            await self._reconnect_sync()
+        digest = hash(payload)
+        action = self._ingest(seq, payload, digest)
+        if action == "gap":
+            assert self._last is not None
+            self.stats.gaps += 1
+            start = self._last + 1
+            log.info("kv events %s: gap: expected seq %d, got %d", self.worker, start, seq)
+            if self.replay_endpoint is None:
+                self._reset("gap")
+            else:
+                await self._gap_sync(start)
+            self._ingest_final(seq, payload, digest)
+        elif action == "restart":
+            log.info(
+                "kv events %s: seq %d after %s: the publisher restarted",
+                self.worker,
+                seq,
+                self._last,
+            )
+            self._reset("restart")
+            if self.replay_endpoint is not None:
+                await self._full_sync()
+            self._ingest_final(seq, payload, digest)
+        if self.stats.connected:
+            self._set_live(True)
+
+    def _ingest(self, seq: int, payload: bytes, digest: int) -> Literal["ok", "gap", "restart"]:
+        last = self._last
+        if last is not None:
+            if seq <= last:
+                if self._seen(seq, digest):
+                    self.stats.duplicates += 1
+                    return "ok"
+                return "restart"
+            if seq > last + 1:
+                return "gap"
+        self._apply(seq, payload, digest)
+        return "ok"
+
+    def _ingest_final(self, seq: int, payload: bytes, digest: int) -> None:
+        """Apply with no further replay: any hole left now is lost for good, so reset."""
+        action = self._ingest(seq, payload, digest)
+        if action != "ok":
+            log.info(
+                "kv events %s: seq %d after %s cannot be filled in (%s): starting over",
+                self.worker,
+                seq,
+                self._last,
+                action,
+            )
+            self._reset(action)
+            self._ingest(seq, payload, digest)
+
+    def _apply(self, seq: int, payload: bytes, digest: int) -> None:
+        try:
+            _ts, events, _rank = decode_batch(payload, skipped=self._skipped)
+        except KVEventDecodeError as e:
+            # Counted and passed over: a lost batch can only leave stale entries, which the
+            # next store or eviction of those blocks corrects.
+            self.stats.decode_errors += 1
+            self._warn("decode", "undecodable batch seq %d: %s", seq, e)
+            events = None
+        self._last = self.stats.last_seq = seq
+        if self._ring_from is None:
+            self._ring_from = seq
+        self._ring[seq % _RING] = digest
+        if events is None:
+            return
+        skipped = self._skipped.total()
+        if skipped != self.stats.skipped_events:
+            self.stats.skipped_events = skipped
+            self._warn("skipped", "skipping unknown event types %s", dict(self._skipped))
+        self.stats.batches += 1
+        self.stats.events += len(events)
+        if not events:
+            return
+        try:
+            self.sink.apply(self.worker, events)
+        except Exception:
+            log.exception("kv events %s: sink failed on seq %d", self.worker, seq)
+
+    def _seen(self, seq: int, digest: int) -> bool:
+        last, first = self._last, self._ring_from
+        return (
+            last is not None
+            and first is not None
+            and first <= seq <= last
+            and last - seq < _RING
+            and self._ring[seq % _RING] == digest
+        )
+
+    def _reset(self, reason: str) -> None:
+        self.stats.resets += 1
+        self._last = self.stats.last_seq = None
+        self._ring_from = None
+        self._synced = False
+        try:
+            self.sink.reset(self.worker, reason)
+        except Exception:
+            log.exception("kv events %s: sink reset failed", self.worker)
+
+    def _set_live(self, live: bool) -> None:
+        if live == self._live:
+            return
+        self._live = live
+        try:
+            self.sink.set_live(self.worker, live)
+        except Exception:
+            log.exception("kv events %s: sink set_live failed", self.worker)
+
+    def _apply_history(self, batches: list[tuple[int, bytes]]) -> None:
+        if not batches and self._last is None:
+            # Nothing published yet: the very next batch must be seq 0, or it is a gap.
+            self._last = self.stats.last_seq = -1
+        for seq, payload in batches:
+            self._ingest_final(seq, payload, hash(payload))
+
+    # ----------------------------------------------------------------- replays
+
+    async def _full_sync(self) -> None:
+        """Everything the publisher still buffers, into a sink that holds nothing for us."""
+        self._set_live(False)
+        batches = await self._fetch(0)
+        if batches is None:
+            return  # live again with the next in-order batch from the stream
+        self._apply_history(batches)
+        self._synced, self._lost_connection = True, False
+        self._set_live(True)
+
+    async def _gap_sync(self, start: int) -> None:
+        self._set_live(False)
+        batches = await self._fetch(start)
+        if batches is None:
+            self._reset("gap")
+            return
+        # A buffer that no longer reaches back to `start` shows up as a gap on its first batch,
+        # which _ingest_final turns into reset("gap") before applying the rest.
+        for seq, payload in batches:
+            self._ingest_final(seq, payload, hash(payload))
+
+    async def _reconnect_sync(self) -> None:
+        """After a reconnect the publisher may be the same process (fill in what we missed) or a
+        new one on the same address (start over); the replay tells which, by whether our last
+        batch is still there byte for byte."""
+        # One attempt per disconnect: a dead replay endpoint must not stall every batch.
+        self._lost_connection = False
+        self._set_live(False)
+        batches = await self._fetch(0)
+        if batches is None:
+            return
+        last = self._last
+        if last is None or last < 0 or self._ring_from is None:
+            self._apply_history(batches)
+        else:
+            ours = next((p for s, p in batches if s == last), None)
+            if ours is not None and self._seen(last, hash(ours)):
+                for seq, payload in batches:
+                    if seq > last:
+                        self._ingest_final(seq, payload, hash(payload))
+            elif ours is not None or not batches or batches[-1][0] < last:
+                log.info("kv events %s: new publisher after reconnect", self.worker)
+                self._reset("restart")
+                self._apply_history(batches)
+            else:
+                log.info("kv events %s: missed more than the replay buffer holds", self.worker)
+                self.stats.gaps += 1
+                self._reset("gap")
+                self._apply_history(batches)
+        self._synced = True
+        self._set_live(True)
+
+    async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from ``start`` on, or None if it did not answer.
+
+        ``replay_timeout_s`` bounds each wait (connect, every reply), not the whole transfer: a
+        full buffer of 10k batches may take longer than one timeout to stream.
+        """
+        assert self.replay_endpoint is not None
+        self.stats.replays += 1
+        ctx = self._ctx or _context()
+        sock = ctx.socket(zmq.DEALER)
+        timeout = self.replay_timeout_s
+        out: list[tuple[int, bytes]] = []
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.replay_endpoint)
+            await asyncio.wait_for(sock.send_multipart([b"", _SEQ.pack(start)]), timeout)
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
+                # [b"", topic, seq, payload] (0.32) or [b"", seq, payload] (older servers).
+                if len(frames) == 4:
+                    seq_frame, payload = frames[2], frames[3]
+                elif len(frames) == 3:
+                    seq_frame, payload = frames[1], frames[2]
+                else:
+                    raise _ReplayError(f"reply of {len(frames)} frames")
+                seq = _parse_seq(seq_frame)
+                if seq is None:
+                    raise _ReplayError("reply without an 8-byte sequence")
+                if seq == _END_SEQ:
+                    break
+                out.append((seq, payload))
+        except asyncio.CancelledError:
+            raise
+        except (TimeoutError, zmq.ZMQError, _ReplayError) as e:
+            self.stats.replay_failures += 1
+            why = "timed out" if isinstance(e, TimeoutError) else str(e)
+            self._warn(
+                "replay", "replay from %d via %s failed: %s", start, self.replay_endpoint, why
+            )
+            return None
+        except Exception:
+            self.stats.replay_failures += 1
+            log.exception("kv events %s: replay from %d failed", self.worker, start)
+            return None
+        finally:
+            sock.close(linger=0)
+        log.debug("kv events %s: replayed %d batches from %d", self.worker, len(out), start)
+        return out
+
+    # ----------------------------------------------------------------- helpers
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        """Warnings that can repeat per batch, at most once per key every few seconds."""
+        now = time.monotonic()
+        if now - self._warned.get(key, -math.inf) >= _WARN_EVERY_S:
+            self._warned[key] = now
+            log.warning("kv events %s: " + msg, self.worker, *args)
+
+    @staticmethod
+    def _close_sockets(sub: zmq.asyncio.Socket | None, mon: zmq.asyncio.Socket | None) -> None:
+        if sub is not None and not sub.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+        for s in (mon, sub):
+            if s is not None and not s.closed:
+                s.close(linger=0)

@@ -1,0 +1,160 @@
+"""KV events into the precise index: one subscriber per worker that publishes them.
+
+`workers.kv_events` speaks the wire (ZMQ, msgpack, sequences, replay); `scoring.precise` keeps
+the truth. This module is the seam between them: it turns a decoded ``BlockStored`` into the
+index's terms (the root seed of a chain is the model or LoRA the blocks belong to plus the
+request's ``cache_salt``, exactly what the gateway seeds a token-mode request with), and it
+keeps the set of subscribers equal to the set of configured workers across config reloads.
+
+Why the root seed is rebuilt from the event and not remembered per request: events arrive for
+traffic this replica never routed (other replicas, direct clients), and every replica must key
+them alike without talking to the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from scoring.precise import PreciseIndex
+from scoring.prefix import seed_for
+from workers.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventStats,
+    KVEventSubscriber,
+)
+
+__all__ = ["KVEndpoint", "KVEventFleet", "PreciseSink"]
+
+log = logging.getLogger("kvgate.kv_events")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEndpoint:
+    """Where a worker publishes its KV events (vLLM `--kv-events-config`)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class PreciseSink:
+    """Applies a worker's decoded events to the precise index.
+
+    ``model_of(worker)`` names the base model the worker serves (the seed of unsalted, non-LoRA
+    chains); ``block_size_of(worker)`` is the fallback when an event carries no block size.
+    """
+
+    def __init__(
+        self,
+        index: PreciseIndex,
+        model_of: Callable[[str], str | None],
+        block_size_of: Callable[[str], int] = lambda _w: 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.model_of = model_of
+        self.block_size_of = block_size_of
+        self.clock = clock
+        self.resets: Counter[tuple[str, str]] = Counter()  # (worker, reason)
+        self.skipped: Counter[str] = Counter()  # events of other KV groups / unknown model
+
+    def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
+        idx = self.index
+        now = self.clock()
+        idx.touch(worker, now)
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if not ev.is_full_attention:
+                    self.skipped[worker] += 1  # hybrid models: only full attention is prefix KV
+                    continue
+                model = ev.lora_name or self.model_of(worker)
+                bs = ev.block_size or self.block_size_of(worker)
+                if model is None or bs <= 0:
+                    self.skipped[worker] += 1
+                    continue
+                idx.stored(
+                    worker,
+                    ev.engine_hashes,
+                    ev.parent,
+                    ev.token_ids,
+                    bs,
+                    seed_for(model, "", ev.cache_salt or ""),
+                    ev.medium,
+                    now,
+                )
+            elif isinstance(ev, BlockRemoved):
+                if not ev.group_idx:
+                    idx.removed(worker, ev.engine_hashes, ev.medium, now)
+            elif isinstance(ev, AllBlocksCleared):
+                self.resets[(worker, "cleared")] += 1
+                idx.clear(worker)
+
+    def reset(self, worker: str, reason: str) -> None:
+        self.resets[(worker, reason)] += 1
+        self.index.clear(worker)
+
+    def set_live(self, worker: str, live: bool) -> None:
+        self.index.set_live(worker, live, self.clock())
+
+
+class KVEventFleet:
+    """The subscribers of every worker with a KV-events endpoint, kept in step with config."""
+
+    def __init__(self, sink: PreciseSink) -> None:
+        self.sink = sink
+        self._subs: dict[str, tuple[KVEndpoint, KVEventSubscriber]] = {}
+
+    @property
+    def index(self) -> PreciseIndex:
+        return self.sink.index
+
+    def subscribed(self, worker: str) -> bool:
+        return worker in self._subs
+
+    @property
+    def active(self) -> bool:
+        """Any worker publishes events: requests need their per-block keys."""
+        return bool(self._subs)
+
+    async def sync(self, endpoints: Mapping[str, KVEndpoint]) -> None:
+        """Start, restart (endpoint changed) or stop subscribers to match ``endpoints``."""
+        for name in list(self._subs):
+            ep, sub = self._subs[name]
+            if endpoints.get(name) != ep:
+                del self._subs[name]
+                await sub.stop()
+                self.sink.index.remove_worker(name)
+        for name, ep in endpoints.items():
+            if name in self._subs:
+                continue
+            sub = KVEventSubscriber(
+                name,
+                ep.endpoint,
+                self.sink,
+                replay_endpoint=ep.replay_endpoint,
+                topic=ep.topic,
+            )
+            self._subs[name] = (ep, sub)
+            await sub.start()
+            log.info("kv events: subscribed to %s for %s", ep.endpoint, name)
+
+    def resync(self, worker: str, reason: str) -> None:
+        """The prober saw the worker restart or flap: what we knew of its cache is void."""
+        entry = self._subs.get(worker)
+        if entry is not None:
+            entry[1].resync(reason)
+
+    def stats(self) -> dict[str, KVEventStats]:
+        return {name: sub.stats for name, (_ep, sub) in self._subs.items()}
+
+    async def close(self) -> None:
+        subs, self._subs = self._subs, {}
+        for _ep, sub in subs.values():
+            await sub.stop()
