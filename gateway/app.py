@@ -363,14 +363,18 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         path = request.url.path
         rid = request.headers.get("x-request-id") or ""
-        if not _RID_OK.match(rid):
+        rid_generated = not _RID_OK.match(rid)
+        if rid_generated:
             rid = uuid.uuid4().hex
         t0 = time.perf_counter()
         ticket: Ticket | None = None
+        call: Call | None = None
         settings = self.settings
         try:
             tenant = self.tenants.authenticate(request.headers.get("authorization"))
-            raw = await read_body(request, settings.server.max_body_bytes)
+            raw = await read_body(
+                request, settings.server.max_body_bytes, settings.timeouts.client_body_s
+            )
             req = parse_request(path, raw)
             data, model = req.data, req.model
             is_chat = path == CHAT
@@ -426,18 +430,10 @@ class Gateway:
             if key is not None:
                 route = with_key(route, key)
             if self.tenants.enabled:
-                ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
-            adm = self.admission.settings
-            # The last await before the proxy picks a worker (see gateway.admission): the room
-            # this grants is taken synchronously by the dispatch.
-            await self.admission.admit(
-                tenant=tenant.name,
-                priority=tenant.priority,
-                weight=tenant.cfg.queue_weight,
-                deadline_s=adm.deadline_s(request.headers.get(adm.deadline_header)),
-                has_room=functools.partial(self._room, model, tenant.priority),
-                pool=model,
-            )
+                # Reserved under an id of our own: the client's x-request-id is only a label,
+                # and reusing one must neither collide with nor skip a reservation.
+                qid = rid if rid_generated else f"{rid}.{uuid.uuid4().hex[:12]}"
+                ticket = await self.quota.admit(tenant, qid, model, prompt_est + max_out)
             call = Call(
                 request_id=rid,
                 model=model,
@@ -450,13 +446,12 @@ class Gateway:
                 pool_ok=self._split(model),
                 ctx=_Ctx(tenant, ticket, prompt_est),
             )
-            assert self.proxy is not None
-            resp = await self.proxy.forward(call)
+            resp = await self._dispatch(request, call, tenant)
             if ticket is not None and ticket.admission is not None:
                 resp.headers.update(ticket.admission.headers())
             return resp
         except APIError as e:
-            if ticket is not None:
+            if ticket is not None and not (call is not None and call.ctx.settled):
                 # No worker produced anything: not the tenant's doing, refund it all.
                 await self.quota.release(ticket, refund_all=True)
             self.metrics.rejected.labels(str(e.status)).inc()
@@ -499,11 +494,60 @@ class Gateway:
             not any(all(w.spec.labels.get(k) == v for k, v in lab.items()) for lab in others)
         )
 
+    async def _dispatch(self, request: Request, call: Call, tenant: Tenant) -> Response:
+        """Wait for room, then forward; a client that leaves meanwhile cancels both.
+
+        Until a response starts nothing reads the client's socket, so without a watcher a client
+        that hangs up while queued or during a long prefill would keep its queue entry, worker
+        request, slot and lease to the end. One watcher task per request cancels this one on
+        http.disconnect; the proxy's cleanup aborts the upstream request, the walk's error path
+        refunds the reservation. Streams hand over to the relay's own watcher once they start.
+        """
+        me = asyncio.current_task()
+        assert me is not None and self.proxy is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            me.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            adm = self.admission.settings
+            # The last await before the proxy picks a worker (see gateway.admission): the room
+            # this grants is taken synchronously by the dispatch.
+            await self.admission.admit(
+                tenant=tenant.name,
+                priority=tenant.priority,
+                weight=tenant.cfg.queue_weight,
+                deadline_s=adm.deadline_s(request.headers.get(adm.deadline_header)),
+                has_room=functools.partial(self._room, call.model, tenant.priority),
+                pool=call.model,
+            )
+            return await self.proxy.forward(call)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            me.uncancel()
+            self.metrics.client_disconnects.inc()
+            raise APIError(
+                499,
+                "Client closed the connection before the response started",
+                "invalid_request_error",
+                code="client_closed_request",
+            ) from None
+        finally:
+            watcher.cancel()
+
     async def _settle(self, call: Call) -> None:
         """Charge the tenant for what really happened, exactly once, and write the usage record."""
         ctx: _Ctx | None = call.ctx
-        if ctx is None:
+        if ctx is None or ctx.settled:
             return
+        ctx.settled = True
         u = call.usage
         charged = 0
         t = ctx.ticket
@@ -644,6 +688,7 @@ class _Ctx:
     tenant: Tenant
     ticket: Ticket | None
     prompt_estimate: int
+    settled: bool = False  # _settle ran: the ticket is closed whatever happens next
 
 
 def _worker_doc(w: Worker) -> dict[str, object]:
@@ -710,6 +755,10 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
     return FastPathApp(app, gw)
 
 
+def _header_bytes(scope: Scope) -> int:
+    return sum(len(k) + len(v) for k, v in scope["headers"])
+
+
 class FastPathApp:
     """The two completion routes go straight to the walk; everything else through Starlette.
 
@@ -723,6 +772,19 @@ class FastPathApp:
         self._gw = gw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and _header_bytes(scope) > self._gw.settings.server.max_header_bytes
+        ):
+            err = APIError(
+                431,
+                "Request headers too large",
+                "invalid_request_error",
+                code="request_header_fields_too_large",
+            )
+            self._gw.metrics.rejected.labels("431").inc()
+            await err.response()(scope, receive, send)
+            return
         if (
             scope["type"] == "http"
             and scope["method"] == "POST"

@@ -34,6 +34,8 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Debug header with the routing decision (worker and reason) on every response.
     debug_headers: bool = False
+    # Total size of the request headers; larger requests get a 431 before any work is done.
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
 
 
 class LoggingSettings(_Section):
@@ -84,6 +86,11 @@ class ProbeSettings(_Section):
 
 class TimeoutSettings(_Section):
     connect_s: float = Field(2.0, gt=0)
+    # Receiving the client's request body (slow or stalled uploads get a 408).
+    client_body_s: float = Field(30.0, gt=0)
+    # A client that reads nothing of its stream for this long is cut off (its worker request
+    # aborted, its tokens settled): a stalled reader must not hold a worker slot forever.
+    client_stall_s: float = Field(30.0, gt=0)
     # Headers and first SSE event; long prompts queue and prefill before anything comes back.
     first_byte_s: float = Field(60.0, gt=0)
     # Longest silence between two SSE events before a stream is declared stuck.

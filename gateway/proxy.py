@@ -362,6 +362,10 @@ class Proxy:
             )
 
 
+class ClientStalled(Exception):
+    """The client read nothing for too long (or past the total deadline)."""
+
+
 class RelayResponse(Response):
     """Streams one upstream SSE response to the client.
 
@@ -418,6 +422,11 @@ class RelayResponse(Response):
             me.uncancel()
         except OSError:  # the socket died under a send
             gone = True
+        except ClientStalled:
+            # Cut off: the response stays unfinished, so the server closes the connection.
+            call.outcome = "client_stalled"
+            self._proxy.metrics.stream_errors.labels("client_stalled").inc()
+            log.warning("request %s: client stopped reading; stream cut off", call.request_id)
         finally:
             watcher.cancel()
             if gone:
@@ -456,7 +465,7 @@ class RelayResponse(Response):
                     if out.endswith(_DONE):
                         self._done = True
                     if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        await self._send(send, out)
                 else:
                     pending = data
                 remaining = self._deadline - time.perf_counter()
@@ -470,7 +479,7 @@ class RelayResponse(Response):
                 inter_event.observe(now - last)
                 last = now
             if pending:
-                await send({"type": "http.response.body", "body": pending, "more_body": True})
+                await self._send(send, pending)
             if self._done:
                 call.outcome = "ok"
             else:
@@ -498,6 +507,16 @@ class RelayResponse(Response):
                 }
             )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send(self, send: Send, body: bytes) -> None:
+        """Send with a deadline: a client that stops reading (window full, socket open) must not
+        hold the worker slot, lease and upstream stream past the total deadline or a stall."""
+        limit = min(self._t.client_stall_s, self._deadline - time.perf_counter())
+        try:
+            async with asyncio.timeout(limit if limit > 0.001 else 0.001):
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        except TimeoutError:
+            raise ClientStalled from None
 
     def _take_usage(self, out: bytes, strip: bool) -> bytes:
         """Find the usage chunk among complete events; parse it once; drop it if unrequested."""

@@ -5,6 +5,7 @@ worker sees the request. Unknown fields are kept and forwarded: vLLM grows exten
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,25 @@ class ParsedRequest:
     modified: bool = False
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, capped at ``limit`` bytes and ``timeout_s`` seconds: a client that dribbles or
+    stalls its upload would otherwise hold a connection and a task forever (uvicorn has no body
+    timeout of its own), a cheap way to exhaust a gateway."""
+    if timeout_s is None:
+        return await _read_body(request, limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s:g} seconds",
+            "invalid_request_error",
+            code="request_timeout",
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:

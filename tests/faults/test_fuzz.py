@@ -654,18 +654,8 @@ async def test_malformed_http_is_a_400_from_the_server(stack: Stack, raw: bytes)
 
 
 # -- the client's x-request-id as the quota reservation id -------------------------------------------
-REUSED_ID_REASON = (
-    "gateway/app.py admits quota with the client's x-request-id as the reservation id, and the "
-    "store treats a known id as a duplicate: a reused id is refused for SETTLED_TTL_S (15 min) as "
-    "429 insufficient_quota 'larger than your key's whole None budget' with x-should-retry: "
-    "false, and concurrent requests sharing an id are all admitted without a lease or a token "
-    "reservation (max_concurrent and TPM bypassed; only the first settles). Fix: reserve under a "
-    "gateway-unique id (e.g. uuid4 per request, kept on the Ticket), keep the client's id for "
-    "logs, headers and upstream; and give the duplicate refusal its own message in quota_gate."
-)
 
 
-@pytest.mark.xfail(strict=True, reason=REUSED_ID_REASON)
 async def test_a_request_id_can_be_reused_once_its_request_finished(stack: Stack) -> None:
     h = {"authorization": f"Bearer {KEY_OPEN}", "x-request-id": f"reused-{next(_serial)}"}
     body = _with(b"max_tokens", b"2")
@@ -677,7 +667,6 @@ async def test_a_request_id_can_be_reused_once_its_request_finished(stack: Stack
     assert again.status == 200, again.body[:300]
 
 
-@pytest.mark.xfail(strict=True, reason=REUSED_ID_REASON)
 async def test_a_shared_request_id_does_not_bypass_max_concurrent(stack: Stack) -> None:
     h = {"authorization": f"Bearer {KEY_OPEN}", "x-request-id": f"shared-{next(_serial)}"}
     body = _with(b"max_tokens", b"200")
