@@ -145,6 +145,7 @@ class Gateway:
         self.proxy: Proxy | None = None
         self.watcher: ConfigWatcher | None = None
         self.started_at = time.time()
+        self.draining = False
 
     def _make_policy(self, r: RoutingSettings) -> Policy:
         return make_policy(
@@ -201,6 +202,39 @@ class Gateway:
                 self.config_path, self.settings, self.apply, self._on_reload_error
             )
             await self.watcher.start()
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Graceful shutdown, step one (SIGTERM): stop taking work, let in-flight work finish.
+
+        /ready fails at once (load balancers stop sending), new requests and queued ones get 503
+        with Retry-After, in-flight requests get ``grace_s`` to finish; streams still running
+        then are ended with an SSE error event, and every one of them is settled (the relay's
+        cleanup charges what was streamed). The process exits after this returns.
+        """
+        if grace_s is None:
+            grace_s = self.settings.server.drain_grace_s
+        self.draining = True
+        self.admission.close(
+            "This gateway replica is shutting down; retry (another replica will answer).", 1.0
+        )
+        log.warning("draining: %d requests in flight, %.1f s grace", self._in_flight(), grace_s)
+        if not await self._wait_idle(grace_s) and self.proxy is not None:
+            cut = self.proxy.cut_streams("the gateway is shutting down; stream ended")
+            log.warning("draining: grace over, ending %d streams", cut)
+            await self._wait_idle(5.0)
+
+    async def _wait_idle(self, seconds: float) -> bool:
+        """Poll until nothing is in flight (True) or ``seconds`` pass (False)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while loop.time() < end:
+            if not self._in_flight():
+                return True
+            await asyncio.sleep(0.02)
+        return not self._in_flight()
+
+    def _in_flight(self) -> int:
+        return sum(w.in_flight for w in self.registry.workers.values())
 
     async def stop(self) -> None:
         if self.watcher:
@@ -371,6 +405,14 @@ class Gateway:
         call: Call | None = None
         settings = self.settings
         try:
+            if self.draining:
+                raise APIError(
+                    503,
+                    "This gateway replica is shutting down; retry (another replica will answer).",
+                    "service_unavailable",
+                    code="shutting_down",
+                    retry_after_s=1.0,
+                )
             tenant = self.tenants.authenticate(request.headers.get("authorization"))
             raw = await read_body(
                 request, settings.server.max_body_bytes, settings.timeouts.client_body_s
@@ -450,6 +492,12 @@ class Gateway:
             if ticket is not None and ticket.admission is not None:
                 resp.headers.update(ticket.admission.headers())
             return resp
+        except asyncio.CancelledError:
+            # Cancelled from outside (server shutdown past its grace): nothing was produced for
+            # the client, so the reservation goes back, never leaks.
+            if ticket is not None and not (call is not None and call.ctx.settled):
+                await self.quota.release(ticket, refund_all=True)
+            raise
         except APIError as e:
             if ticket is not None and not (call is not None and call.ctx.settled):
                 # No worker produced anything: not the tenant's doing, refund it all.
@@ -609,14 +657,15 @@ class Gateway:
 
     async def ready(self, request: Request) -> Response:
         healthy = len(self.registry.healthy())
-        status = 200 if healthy else 503
+        ok = bool(healthy) and not self.draining
         return JSONResponse(
             {
-                "ready": bool(healthy),
+                "ready": ok,
+                "draining": self.draining,
                 "healthy_workers": healthy,
                 "workers": len(self.registry.workers),
             },
-            status_code=status,
+            status_code=200 if ok else 503,
         )
 
     async def prom(self, request: Request) -> Response:

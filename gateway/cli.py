@@ -37,6 +37,36 @@ async def _serve(settings: Settings, config_path: Path | None, on_ready=None) ->
     from gateway.app import create_app
 
     app = create_app(settings, config_path)
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT drain the gateway first (``Gateway.drain``), then stop the server; a
+        second signal stops at once. uvicorn alone would close its sockets straight away and
+        leave load balancers and in-flight streams to find out the hard way."""
+
+        drain_requested = False
+        loop: asyncio.AbstractEventLoop | None = None
+        tasks: set[asyncio.Task[None]] = set()
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # A signal handler runs between two bytecodes of whatever the loop was doing: only
+            # hand the work to the loop from here.
+            if self.drain_requested or not self.started or self.loop is None:
+                super().handle_exit(sig, frame)  # type: ignore[arg-type]
+                return
+            self.drain_requested = True
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            async def drain_then_exit() -> None:
+                try:
+                    await app.state.gateway.drain()
+                finally:
+                    self.should_exit = True
+
+            t = asyncio.get_running_loop().create_task(drain_then_exit())
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
     config = uvicorn.Config(
         app,
         host=settings.server.host,
@@ -46,7 +76,8 @@ async def _serve(settings: Settings, config_path: Path | None, on_ready=None) ->
         lifespan="on",
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
+    server.loop = asyncio.get_running_loop()
     if on_ready is None:
         await server.serve()
         return

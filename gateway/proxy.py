@@ -116,6 +116,7 @@ class Proxy:
         self._on_finish = on_finish
         self._room = room  # a worker's free slots; full workers are passed over while any has room
         self._on_release = on_release  # a slot was freed for this model (admission wakes a waiter)
+        self._streams: dict[asyncio.Task[Any], RelayResponse] = {}  # live relays (drain cuts them)
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call) -> Response:
@@ -276,6 +277,16 @@ class Proxy:
         policy.on_dispatch(d.worker.name, call.route)
         call.route_debug = d
 
+    def cut_streams(self, message: str) -> int:
+        """End every live stream with an SSE error event (graceful shutdown); returns how many."""
+        n = 0
+        for task, relay in list(self._streams.items()):
+            if not task.done():
+                relay.cut = message
+                task.cancel()
+                n += 1
+        return n
+
     def _record_prediction(self, call: Call, d: Decision, actual: int) -> None:
         """How well routing knew the worker's cache: predicted vs reported cached tokens.
 
@@ -397,6 +408,7 @@ class RelayResponse(Response):
         self._t = timeouts
         self._deadline = deadline
         self._done = False
+        self.cut: str | None = None  # set (then the task cancelled) to end the stream: shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self._call
@@ -414,12 +426,22 @@ class RelayResponse(Response):
         # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
         # the watcher cancels it the moment the client leaves.
         watcher = asyncio.get_running_loop().create_task(watch())
+        streams = self._proxy._streams
+        streams[me] = self
         try:
             await self._pump(send)
         except asyncio.CancelledError:
-            if not gone:
+            if self.cut is not None and not gone:
+                me.uncancel()
+                call.outcome = "gateway_shutdown"
+                self._proxy.metrics.stream_errors.labels("gateway_shutdown").inc()
+                with contextlib.suppress(OSError, ClientStalled):
+                    await self._send(send, sse_error_event(self.cut, "server_error", 503))
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif not gone:
                 raise
-            me.uncancel()
+            else:
+                me.uncancel()
         except OSError:  # the socket died under a send
             gone = True
         except ClientStalled:
@@ -428,6 +450,7 @@ class RelayResponse(Response):
             self._proxy.metrics.stream_errors.labels("client_stalled").inc()
             log.warning("request %s: client stopped reading; stream cut off", call.request_id)
         finally:
+            streams.pop(me, None)
             watcher.cancel()
             if gone:
                 call.outcome = "client_disconnect"
