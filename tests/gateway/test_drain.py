@@ -137,7 +137,7 @@ async def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
                         if (await c.get(url + "/ready")).status_code == 200:
                             break
                     await asyncio.sleep(0.05)
-                async with c.stream("POST", url + "/v1/chat/completions", json=_chat(150)) as r:
+                async with c.stream("POST", url + "/v1/chat/completions", json=_chat(3000)) as r:
                     lines = r.aiter_lines()
                     assert (await anext(lines)).startswith("data: ")
                     proc.send_signal(signal.SIGTERM)
