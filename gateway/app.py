@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -36,6 +37,7 @@ from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
     ConfigWatcher,
     KVEventSettings,
+    ProbeSettings,
     RoutingSettings,
     Settings,
     TokenModeSettings,
@@ -89,6 +91,25 @@ def _admission(a: AdmissionConfig) -> AdmissionSettings:
     return AdmissionSettings(**{k: v for k, v in a.model_dump().items() if k in names})
 
 
+_REGISTRY_KNOBS = (
+    "unhealthy_after",
+    "healthy_after",
+    "backoff_initial_s",
+    "backoff_max_s",
+    "breaker_window",
+    "breaker_error_rate",
+    "breaker_min_requests",
+    "outlier_factor",
+    "outlier_min_s",
+    "outlier_min_samples",
+    "outlier_max_fraction",
+)
+
+
+def _registry_knobs(p: ProbeSettings) -> dict[str, Any]:
+    return {k: getattr(p, k) for k in _REGISTRY_KNOBS}
+
+
 def _precise_index(k: KVEventSettings) -> PreciseIndex:
     return PreciseIndex(
         offload_weight=k.offload_weight,
@@ -114,10 +135,8 @@ class Gateway:
         p = settings.probes
         self.registry = Registry(
             (_spec(w) for w in settings.workers),
-            unhealthy_after=p.unhealthy_after,
-            healthy_after=p.healthy_after,
-            backoff_initial_s=p.backoff_initial_s,
-            backoff_max_s=p.backoff_max_s,
+            **_registry_knobs(p),
+            on_change=self._on_health_change,
         )
         self.routing_options = RoutingOptions(**settings.routing.options)
         self.precise = _precise_index(settings.routing.kv_events)
@@ -183,6 +202,9 @@ class Gateway:
             interval_s=s.probes.interval_s,
             timeout_s=s.probes.timeout_s,
             on_probe=self._on_probe,
+            deep_every=s.probes.deep_every,
+            deep_timeout_s=s.probes.deep_timeout_s,
+            deep_model=s.probes.deep_model,
         )
         self.proxy = Proxy(
             self.registry,
@@ -280,10 +302,11 @@ class Gateway:
             self.admission.configure(_admission(new.admission))
         p = new.probes
         r = self.registry
-        r.unhealthy_after, r.healthy_after = p.unhealthy_after, p.healthy_after
-        r.backoff_initial_s, r.backoff_max_s = p.backoff_initial_s, p.backoff_max_s
+        r.configure(**_registry_knobs(p))
         if self.prober:
             self.prober.interval_s, self.prober.timeout_s = p.interval_s, p.timeout_s
+            self.prober.deep_every, self.prober.deep_timeout_s = p.deep_every, p.deep_timeout_s
+            self.prober.deep_model = p.deep_model
         self._sync_workers([_spec(w) for w in new.workers])
         setup_logging(new.logging.level, new.logging.format)
         self.metrics.config_reloads.inc()
@@ -384,6 +407,12 @@ class Gateway:
         m.worker_up.labels(w.name).set(1 if w.health is Health.HEALTHY else 0)
         for h in Health:
             m.worker_state.labels(w.name, h.value).set(1 if w.health is h else 0)
+
+    def _on_health_change(self, w: Worker, was: Health) -> None:
+        """Every health change, whatever caused it (probes, the breaker, outlier ejection)."""
+        self._export_health(w)
+        if w.ejection_reason:
+            log.warning("worker %s ejected (%s): %s", w.name, w.ejection_reason, w.last_error)
 
     def _on_passive_failure(self, name: str) -> None:
         w = self.registry.workers.get(name)
@@ -713,6 +742,31 @@ class Gateway:
         except APIError as e:
             return e.response()
 
+    async def admin_drain(self, request: Request) -> Response:
+        """Drain a worker for a rolling update: POST stops new requests to it (in-flight ones
+        finish), GET polls until ``drained``, DELETE readmits it. The state lives in this gateway
+        process: with several replicas, drain the worker on each of them."""
+        try:
+            self._admin(request)
+            name = request.path_params["name"]
+            w = self.registry.workers.get(name)
+            if w is None:
+                raise APIError(404, f"no worker {name!r}", "invalid_request_error")
+            if request.method != "GET":
+                self.registry.drain(name, request.method == "POST")
+                log.warning("worker %s %s", name, "draining" if w.draining else "undrained")
+            return JSONResponse(
+                {
+                    "name": name,
+                    "draining": w.draining,
+                    "in_flight": w.in_flight,
+                    "drained": w.drained,
+                    "health": w.health.value,
+                }
+            )
+        except APIError as e:
+            return e.response()
+
     async def admin_reload(self, request: Request) -> Response:
         try:
             self._admin(request)
@@ -755,6 +809,12 @@ def _worker_doc(w: Worker) -> dict[str, object]:
         "num_blocks": m.num_blocks,
         "consecutive_failures": w.consecutive_failures,
         "last_error": w.last_error,
+        "draining": w.draining,
+        "drained": w.drained,
+        "ejection_reason": w.ejection_reason or None,
+        "ejected_for_s": round(max(0.0, w.ejected_until - time.monotonic()), 3),
+        "error_rate": round(w.error_rate, 3),
+        "ttft_median_s": w.ttft_median(),
         "labels": w.spec.labels,
         "weight": w.spec.weight,
     }
@@ -780,6 +840,7 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
         Route("/metrics", gw.prom, methods=["GET"]),
         Route("/admin/workers", gw.admin_workers, methods=["GET", "POST"]),
         Route("/admin/workers/{name}", gw.admin_worker, methods=["DELETE"]),
+        Route("/admin/workers/{name}/drain", gw.admin_drain, methods=["GET", "POST", "DELETE"]),
         Route("/admin/reload", gw.admin_reload, methods=["POST"]),
     ]
 

@@ -83,8 +83,38 @@ class ProbeSettings(_Section):
     unhealthy_after: int = Field(3, ge=1)
     # Consecutive successful probes before an ejected worker is readmitted.
     healthy_after: int = Field(1, ge=1)
+    # Re-probe backoff of an ejected worker; breaker and outlier ejections also hold a worker out
+    # for backoff_initial_s, doubling on each repeat up to backoff_max_s.
     backoff_initial_s: float = Field(1.0, gt=0)
     backoff_max_s: float = Field(30.0, gt=0)
+    # Deep probe: every N-th probe of a healthy worker also generates 1 token (/health alone misses
+    # an engine that cannot generate). 0 = off. Every probe is deep while a worker is unhealthy or
+    # failing; skipped while proxied requests to it succeed.
+    deep_every: int = Field(0, ge=0)
+    # The 1-token request waits in the worker's queue like any other: keep it above normal queueing.
+    deep_timeout_s: float = Field(5.0, gt=0)
+    # Model the deep probe asks for; "" (or not served by the worker) = its first base model.
+    deep_model: str = ""
+    # Circuit breaker: eject when more than breaker_error_rate of the last breaker_window proxied
+    # requests failed before their first byte (with at least breaker_min_requests of them): catches
+    # intermittent failures that never reach unhealthy_after in a row. 0 = off.
+    breaker_window: int = Field(20, ge=0)
+    breaker_error_rate: float = Field(0.5, ge=0, le=1)
+    breaker_min_requests: int = Field(10, ge=1)
+    # TTFT outlier ejection: eject a worker whose median TTFT (last 50 streams) is above
+    # outlier_factor x its peers' median AND above outlier_min_s, with outlier_min_samples each;
+    # at most outlier_max_fraction of a group out at once. Conservative: prefix-cache hits make
+    # TTFT vary a lot between healthy workers. 0 = off.
+    outlier_factor: float = Field(3.0, ge=0)
+    outlier_min_s: float = Field(1.0, ge=0)
+    outlier_min_samples: int = Field(20, ge=1, le=50)
+    outlier_max_fraction: float = Field(0.34, ge=0, le=0.5)
+
+    @model_validator(mode="after")
+    def _breaker_can_trip(self) -> ProbeSettings:
+        if self.breaker_window and self.breaker_min_requests > self.breaker_window:
+            raise ValueError("probes.breaker_min_requests must be <= breaker_window")
+        return self
 
 
 class TimeoutSettings(_Section):

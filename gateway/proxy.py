@@ -147,6 +147,7 @@ class Proxy:
             self._record_decision(policy, call, decision)
             self._acquire(worker, call, decision.prefill_tokens)
             handed_off = False
+            t_sent = time.perf_counter()
             try:
                 resp = await self._send(call, worker, min(t.first_byte_s, deadline - _now()))
                 if resp.status >= 500:
@@ -169,7 +170,11 @@ class Proxy:
                     )
                     self._fail(worker, "empty stream")
                     continue
-                call.ttft = time.perf_counter() - call.t_start
+                now = time.perf_counter()
+                call.ttft = now - call.t_start
+                # The worker's own TTFT (outlier ejection): from this attempt's dispatch, not
+                # counting admission waits and earlier attempts that are not its doing.
+                self.registry.observe_ttft(worker.name, now - t_sent)
                 self.prefill_done(worker, call)
                 headers["content-type"] = resp.headers.get(
                     "content-type", "text/event-stream; charset=utf-8"

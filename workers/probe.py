@@ -4,6 +4,17 @@ A worker is capacity only if it answers `/health` (or `/v1/models` where there i
 and lists the model; `/metrics` feeds the load and KV signals but its absence is not a failure
 (OpenAI-compatible servers without Prometheus still serve). Ejected workers are re-probed with
 exponential backoff so a dead host is not hammered.
+
+Deep probes (`deep_every` > 0): a process can answer `/health` while its engine cannot generate
+(a wedged scheduler, a broken CUDA context behind a still-running HTTP frontend), and that is not
+capacity. Every `deep_every`-th probe of a healthy worker therefore also asks for one token
+(POST /v1/completions, max_tokens 1, temperature 0) and counts a non-200, a timeout or a body
+without choices as a probe failure. A deep probe is also made on every probe of a worker that is
+not healthy or has failures pending, so a failed one is retried at once (consecutive failures
+build up to the ejection instead of being reset by the shallow probes in between) and
+readmission requires generation to work. It is skipped when a proxied request succeeded since the
+last one: real traffic already proved the worker generates, and a busy worker should not queue a
+probe behind its load (that would also make the deep timeout fire on a merely busy worker).
 """
 
 from __future__ import annotations
@@ -11,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
 import httpx
 
-from workers.registry import Registry, Worker
+from workers.registry import Health, Registry, Worker
 from workers.vllm_metrics import WorkerMetrics, parse_vllm_metrics
 
 log = logging.getLogger("kvgate.probe")
@@ -37,12 +49,24 @@ class Prober:
         interval_s: float,
         timeout_s: float,
         on_probe: ProbeHook | None = None,
+        deep_every: int = 0,
+        deep_timeout_s: float = 5.0,
+        deep_model: str = "",
     ) -> None:
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_probe = on_probe
+        # Deep probe every N probes of a healthy worker (0 = off); its own timeout, since one
+        # token waits in the worker's queue like any request; the model to ask ("" or a model
+        # this worker does not serve: its first base model).
+        self.deep_every = deep_every
+        self.deep_timeout_s = deep_timeout_s
+        self.deep_model = deep_model
+        # Per worker: shallow probes since the last deep one, and when that was (registry clock).
+        self._since_deep: dict[str, int] = {}
+        self._deep_at: dict[str, float] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._stopping = False
@@ -53,6 +77,8 @@ class Prober:
             if name not in self.registry.workers:
                 self._tasks.pop(name).cancel()
                 self._wake.pop(name, None)
+                self._since_deep.pop(name, None)
+                self._deep_at.pop(name, None)
         for name in self.registry.workers:
             if name not in self._tasks:
                 self._wake[name] = asyncio.Event()
@@ -96,21 +122,83 @@ class Prober:
             async with asyncio.timeout(self.timeout_s):
                 models, metrics = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
-            err = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            err = _describe(e)
             was = w.health
             self.registry.probe_failed(name, err)
             if w.health is not was:
                 log.warning("worker %s -> %s (%s)", name, w.health, err)
             ok = False
         else:
+            deep_err = await self._maybe_deep(w, models)
             was = w.health
-            self.registry.probe_ok(name, models, metrics)
-            if w.health is not was:
-                log.info("worker %s -> %s (models: %s)", name, w.health, sorted(w.models))
-            ok = True
+            if deep_err is not None:
+                self.registry.probe_failed(name, deep_err, models, metrics)
+                if w.health is not was:
+                    log.warning("worker %s -> %s (%s)", name, w.health, deep_err)
+                ok = False
+            else:
+                self.registry.probe_ok(name, models, metrics)
+                if w.health is not was:
+                    log.info("worker %s -> %s (models: %s)", name, w.health, sorted(w.models))
+                ok = True
         if self.on_probe is not None:
             self.on_probe(w, ok, time.perf_counter() - t0)
         return ok
+
+    def _deep_due(self, w: Worker) -> bool:
+        if self.deep_every <= 0:
+            return False
+        name = w.name
+        if w.health is not Health.HEALTHY or w.consecutive_failures > 0:
+            return True
+        n = self._since_deep.get(name, 0) + 1
+        if n < self.deep_every:
+            self._since_deep[name] = n
+            return False
+        if w.last_success_at > self._deep_at.get(name, -math.inf):
+            # Traffic succeeded since the last deep probe: that was the proof.
+            self._since_deep[name] = 0
+            self._deep_at[name] = self.registry.clock()
+            return False
+        return True
+
+    async def _maybe_deep(self, w: Worker, cards: list[dict[str, object]]) -> str | None:
+        """Run the deep probe if due; the failure as a last_error string, or None."""
+        if not self._deep_due(w):
+            return None
+        self._since_deep[w.name] = 0
+        self._deep_at[w.name] = self.registry.clock()
+        model = self._pick_model(cards)
+        if model is None:
+            return None  # serves nothing: candidates() never picks it anyway
+        try:
+            async with asyncio.timeout(self.deep_timeout_s):
+                await self._deep(w, model)
+        except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
+            return f"deep probe ({model}): {_describe(e)}"
+        return None
+
+    def _pick_model(self, cards: list[dict[str, object]]) -> str | None:
+        ids = [str(c["id"]) for c in cards]
+        if self.deep_model and self.deep_model in ids:
+            return self.deep_model
+        base = [str(c["id"]) for c in cards if not c.get("parent")]  # not a LoRA adapter
+        return (base or ids or [None])[0]
+
+    async def _deep(self, w: Worker, model: str) -> None:
+        headers = {"content-type": "application/json", "x-request-id": "kvgate-deep-probe"}
+        if w.spec.api_key:
+            headers["authorization"] = f"Bearer {w.spec.api_key}"
+        body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+        r = await self.client.post(
+            f"{w.url}/v1/completions", json=body, headers=headers, timeout=self.deep_timeout_s
+        )
+        if r.status_code != 200:
+            raise ProbeError(f"/v1/completions returned {r.status_code}: {_error_text(r)}")
+        data = r.json()
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or not choices:
+            raise ProbeError("/v1/completions: no choices in the response")
 
     async def _probe(self, w: Worker) -> tuple[list[dict[str, object]], WorkerMetrics | None]:
         headers = {"authorization": f"Bearer {w.spec.api_key}"} if w.spec.api_key else None
@@ -139,3 +227,19 @@ class Prober:
             except ValueError as e:
                 log.debug("worker %s: unparsable /metrics: %s", w.name, e)
         return models, metrics
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error_text(r: httpx.Response) -> str:
+    """The worker's error message (OpenAI/vLLM envelope) or the start of the body."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])[:200]
+    return r.text[:200]

@@ -8,13 +8,35 @@ directly; `workers.probe` and the proxy feed it outcomes.
 
 Passive failures (a proxied request that could not connect or got a 5xx) count toward the same N,
 so a dead worker is ejected at the speed of traffic rather than at the speed of probes.
+
+Protections on top of that state machine (issue 9):
+
+- **Drain** (`drain`): an operator takes a worker out of routing (`candidates`) while its
+  in-flight requests finish and its probes go on; `drained` says when it is safe to restart it.
+  Draining is not a health state: a draining worker stays HEALTHY, so undraining readmits it at
+  once, and a config reload keeps the flag (the operator's intent outlives the file).
+- **Circuit breaker**: a worker that fails intermittently never builds N *consecutive* failures,
+  yet loses most requests (each failure is a retry: latency for the client, load for the fleet).
+  The breaker also ejects when the error rate over the last `breaker_window` passive outcomes
+  exceeds `breaker_error_rate`, once at least `breaker_min_requests` outcomes are in.
+- **TTFT outlier ejection** (`observe_ttft`): a worker whose median time to first token is far
+  above its peers' (thermal throttling, a bad NIC, a noisy neighbour) is answering, just slowly,
+  so neither rule above sees it.
+
+Breaker and outlier ejections hold the worker out for an ejection time that doubles on each
+repeated ejection (`backoff_initial_s` up to `backoff_max_s`): probes that succeed before it runs
+out do not readmit it. The first probe after it is the half-open check (with deep probes on, it
+generates a token); a readmitted worker starts with a clean error window and no TTFT samples, so it
+is judged on fresh traffic only.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from scoring.policy import WorkerView
@@ -25,6 +47,12 @@ class Health(enum.StrEnum):
     STARTING = "starting"
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +88,19 @@ class Worker:
     last_error: str = ""
     last_probe_at: float = 0.0
     last_change_at: float = field(default_factory=time.monotonic)
+    # Operator drain: no new requests, in-flight ones finish, probes go on.
+    draining: bool = False
+    # Breaker/outlier ejection: not readmitted before this (registry clock); why; how many in a row.
+    ejected_until: float = 0.0
+    ejection_reason: str = ""  # "" | "breaker" | "outlier"
+    ejections: int = 0
+    # Last passive success (registry clock): proof of generation the deep probe need not repeat.
+    last_success_at: float = 0.0
+    # Breaker window: the last passive outcomes (True = failure) and how many of them failed.
+    outcomes: deque[bool] = field(default_factory=deque, repr=False)
+    outcome_failures: int = 0
+    # The last TTFT samples (seconds) for outlier detection.
+    ttfts: deque[float] = field(default_factory=deque, repr=False)
     _view: WorkerView | None = field(default=None, repr=False, compare=False)
     _view_key: tuple[object, ...] = field(default=(), repr=False, compare=False)
 
@@ -70,6 +111,22 @@ class Worker:
     @property
     def url(self) -> str:
         return self.spec.url
+
+    @property
+    def drained(self) -> bool:
+        """Draining and nothing in flight: safe to stop or upgrade."""
+        return self.draining and self.in_flight <= 0
+
+    @property
+    def error_rate(self) -> float:
+        """Failure share of the breaker window (0 when empty)."""
+        n = len(self.outcomes)
+        return self.outcome_failures / n if n else 0.0
+
+    def ttft_median(self) -> float | None:
+        """Median of the TTFT window; a median, not a mean, so that a few slow prefills of long
+        uncached prompts do not make a worker look slow."""
+        return _median(list(self.ttfts)) if self.ttfts else None
 
     def view(self) -> WorkerView:
         """The routing snapshot; the same object until this worker changes, so policies can
@@ -103,7 +160,17 @@ class Worker:
         return self._view
 
 
+HealthHook = Callable[[Worker, Health], None]
+
+
 class Registry:
+    """The fleet and its health state machine (see the module docstring).
+
+    Knobs are plain attributes; `configure` changes them on a config reload. Every protection is
+    off when its main knob is 0: `breaker_window` / `breaker_error_rate` for the breaker,
+    `outlier_factor` / `outlier_max_fraction` for TTFT outliers.
+    """
+
     def __init__(
         self,
         specs: Iterable[WorkerSpec] = (),
@@ -112,20 +179,75 @@ class Registry:
         healthy_after: int = 1,
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
+        breaker_window: int = 20,
+        breaker_error_rate: float = 0.5,
+        breaker_min_requests: int = 10,
+        outlier_factor: float = 3.0,
+        outlier_min_s: float = 1.0,
+        outlier_min_samples: int = 20,
+        outlier_max_fraction: float = 0.34,
+        outlier_window: int = 50,
+        outlier_check_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: HealthHook | None = None,
     ) -> None:
+        self.clock = clock
+        # Called as on_change(worker, previous_health) on every health transition, whatever
+        # caused it (probe, passive failure, breaker, outlier): one place to export and log.
+        self.on_change = on_change
         self.unhealthy_after = unhealthy_after
         self.healthy_after = healthy_after
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.breaker_window = breaker_window
+        self.breaker_error_rate = breaker_error_rate
+        self.breaker_min_requests = breaker_min_requests
+        self.outlier_factor = outlier_factor
+        self.outlier_min_s = outlier_min_s
+        self.outlier_min_samples = outlier_min_samples
+        self.outlier_max_fraction = outlier_max_fraction
+        self.outlier_window = outlier_window
+        self.outlier_check_s = outlier_check_s
+        self._next_outlier_check = 0.0
         self.workers: dict[str, Worker] = {}
         # Every model any current worker has ever reported: tells "unknown model" (404) apart
         # from "known model, nobody healthy serves it right now" (503).
         self._known_models: dict[str, frozenset[str]] = {}
         self.sync(specs)
 
+    _KNOBS = frozenset(
+        {
+            "unhealthy_after",
+            "healthy_after",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "breaker_window",
+            "breaker_error_rate",
+            "breaker_min_requests",
+            "outlier_factor",
+            "outlier_min_s",
+            "outlier_min_samples",
+            "outlier_max_fraction",
+            "outlier_window",
+            "outlier_check_s",
+        }
+    )
+
+    def configure(self, **knobs: float) -> None:
+        """Change knobs live (config reload). Windows shrink lazily on the next outcome/sample;
+        worker state (health, drain, ejections) is kept."""
+        unknown = set(knobs) - self._KNOBS
+        if unknown:
+            raise TypeError(f"unknown registry setting(s): {sorted(unknown)}")
+        for k, v in knobs.items():
+            setattr(self, k, v)
+
     # -- membership --------------------------------------------------------------------------
     def sync(self, specs: Iterable[WorkerSpec]) -> tuple[list[str], list[str]]:
-        """Make the fleet match `specs`; returns (added, removed). Unchanged workers keep state."""
+        """Make the fleet match `specs`; returns (added, removed). Unchanged workers keep state.
+
+        A worker whose URL changed is a new server and starts over, except for `draining`: a
+        drain is the operator's decision about that name and only an undrain lifts it."""
         wanted = {s.name: s for s in specs}
         removed = [n for n in self.workers if n not in wanted]
         for n in removed:
@@ -138,7 +260,7 @@ class Registry:
                 added.append(name)
             elif cur.spec != spec:
                 if cur.spec.url != spec.url:  # a different server: start over
-                    self.workers[name] = Worker(spec)
+                    self.workers[name] = Worker(spec, draining=cur.draining)
                     self._known_models.pop(name, None)
                     added.append(name)
                 else:
@@ -155,13 +277,35 @@ class Registry:
         self._known_models.pop(name, None)
         return self.workers.pop(name, None) is not None
 
+    # -- drain -------------------------------------------------------------------------------
+    def drain(self, name: str, draining: bool = True) -> bool:
+        """Stop (or, with draining=False, resume) sending new requests to `name`.
+
+        In-flight requests finish normally and probes continue, so health is current the moment
+        the worker is undrained. Returns False for an unknown worker."""
+        w = self.workers.get(name)
+        if w is None:
+            return False
+        w.draining = draining
+        return True
+
+    def drained(self, name: str) -> bool:
+        """True once `name` is draining and has nothing in flight (False if unknown)."""
+        w = self.workers.get(name)
+        return w is not None and w.drained
+
     # -- queries -----------------------------------------------------------------------------
     def candidates(self, model: str) -> list[Worker]:
+        """Workers that may take a new request for `model`: healthy, serving it, not draining."""
         return [
-            w for w in self.workers.values() if w.health is Health.HEALTHY and model in w.models
+            w
+            for w in self.workers.values()
+            if w.health is Health.HEALTHY and not w.draining and model in w.models
         ]
 
     def healthy(self) -> list[Worker]:
+        """Workers in the HEALTHY state, draining ones included (they still serve in-flight
+        requests); filter on `draining` for "can take new work"."""
         return [w for w in self.workers.values() if w.health is Health.HEALTHY]
 
     def served_models(self) -> dict[str, dict[str, object]]:
@@ -175,7 +319,7 @@ class Registry:
     def knows_model(self, model: str) -> bool:
         return any(model in ms for ms in self._known_models.values())
 
-    # -- outcomes ----------------------------------------------------------------------------
+    # -- probe outcomes ----------------------------------------------------------------------
     def probe_ok(
         self,
         name: str,
@@ -185,27 +329,33 @@ class Registry:
         w = self.workers.get(name)
         if w is None:
             return
-        w.last_probe_at = time.monotonic()
-        if cards is not None:
-            w.model_cards = {str(c["id"]): c for c in cards}
-            w.models = frozenset(w.model_cards)
-            self._known_models[name] = w.models
-        if metrics is not None:
-            w.metrics = metrics
-            w.in_flight_at_scrape = w.in_flight
-            w.sent_tokens_since_scrape = 0
+        self._probe_data(w, cards, metrics)
         w.consecutive_failures = 0
         w.consecutive_successes += 1
-        w.last_error = ""
-        if w.health is not Health.HEALTHY and w.consecutive_successes >= self.healthy_after:
+        if not w.ejection_reason:  # held out by the breaker/outlier rule: keep saying why
+            w.last_error = ""
+        if (
+            w.health is not Health.HEALTHY
+            and w.consecutive_successes >= self.healthy_after
+            and self.clock() >= w.ejected_until
+        ):
             self._set(w, Health.HEALTHY)
             w.backoff_s = 0.0
+            w.last_error = ""
 
-    def probe_failed(self, name: str, error: str) -> None:
+    def probe_failed(
+        self,
+        name: str,
+        error: str,
+        cards: list[dict[str, object]] | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        """A failed probe. `cards`/`metrics` are what the probe did learn (a deep probe fails
+        after /v1/models and /metrics answered): kept, so load and models stay current."""
         w = self.workers.get(name)
         if w is None:
             return
-        w.last_probe_at = time.monotonic()
+        self._probe_data(w, cards, metrics)
         self._fail(w, error)
         if w.health is Health.UNHEALTHY:
             w.backoff_s = min(
@@ -213,17 +363,147 @@ class Registry:
                 max(self.backoff_initial_s, w.backoff_s * 2 if w.backoff_s else 0.0),
             )
 
+    def _probe_data(
+        self, w: Worker, cards: list[dict[str, object]] | None, metrics: WorkerMetrics | None
+    ) -> None:
+        w.last_probe_at = self.clock()
+        if cards is not None:
+            w.model_cards = {str(c["id"]): c for c in cards}
+            w.models = frozenset(w.model_cards)
+            self._known_models[w.name] = w.models
+        if metrics is not None:
+            w.metrics = metrics
+            w.in_flight_at_scrape = w.in_flight
+            w.sent_tokens_since_scrape = 0
+
+    # -- passive outcomes (proxied requests) -------------------------------------------------
     def passive_failure(self, name: str, error: str) -> None:
         """A proxied request failed before its first byte (connect error, 5xx, timeout)."""
         w = self.workers.get(name)
-        if w is not None:
-            self._fail(w, error)
+        if w is None:
+            return
+        if w.health is Health.HEALTHY:
+            self._record_outcome(w, failed=True)
+        why = w.last_error
+        self._fail(w, error)
+        if w.ejection_reason:  # late failures of requests sent before the ejection
+            w.last_error = why
+        if w.health is Health.HEALTHY and self._breaker_open(w):
+            self._eject(
+                w,
+                "breaker",
+                f"circuit breaker: {w.outcome_failures}/{len(w.outcomes)} recent requests "
+                f"failed (last: {error})",
+            )
 
     def passive_success(self, name: str) -> None:
         w = self.workers.get(name)
         if w is not None and w.health is Health.HEALTHY:
             w.consecutive_failures = 0
+            w.last_success_at = self.clock()
+            self._record_outcome(w, failed=False)
 
+    def _record_outcome(self, w: Worker, *, failed: bool) -> None:
+        if self.breaker_window <= 0:
+            return
+        w.outcomes.append(failed)
+        w.outcome_failures += failed
+        while len(w.outcomes) > self.breaker_window:
+            w.outcome_failures -= w.outcomes.popleft()
+
+    def _breaker_open(self, w: Worker) -> bool:
+        """Error rate strictly above the threshold over at least min_requests outcomes."""
+        if self.breaker_window <= 0 or self.breaker_error_rate <= 0:
+            return False
+        n = len(w.outcomes)
+        return n >= max(1, self.breaker_min_requests) and w.outcome_failures > (
+            self.breaker_error_rate * n
+        )
+
+    # -- TTFT outliers -----------------------------------------------------------------------
+    def observe_ttft(self, name: str, seconds: float) -> list[str]:
+        """One proxied request's time to first token on `name` (from dispatch to that worker,
+        not from the client's arrival: admission queueing is not the worker's fault).
+
+        Cheap on the hot path: the fleet-wide comparison runs at most every `outlier_check_s`.
+        Returns the workers ejected by that comparison, if it ran (usually none)."""
+        w = self.workers.get(name)
+        if w is None or w.health is not Health.HEALTHY or not self._outliers_on():
+            return []
+        w.ttfts.append(seconds)
+        while len(w.ttfts) > max(1, self.outlier_window):
+            w.ttfts.popleft()
+        now = self.clock()
+        if now < self._next_outlier_check:
+            return []
+        self._next_outlier_check = now + self.outlier_check_s
+        return self.eject_outliers()
+
+    def _outliers_on(self) -> bool:
+        return self.outlier_factor > 0 and self.outlier_max_fraction > 0
+
+    def outliers(self) -> list[tuple[str, float, float]]:
+        """Healthy workers that would be ejected now, worst first, as (name, median, peers'
+        median): a pure query, `eject_outliers` acts on it.
+
+        Conservative on purpose. TTFT is dominated by prefill of the uncached part of a prompt,
+        and a KV-aware router sends each worker a different cache-hit mix, so per-worker TTFT
+        medians differ a lot between perfectly good workers. Hence: medians, not means; only
+        workers with `outlier_min_samples` samples take part; peers are workers serving the same
+        models (a 70B and an 8B deployment are not comparable); a worker is an outlier only when
+        its median is above `outlier_factor` x its peers' median *and* above `outlier_min_s`
+        (3x of 50 ms is noise, not a sick GPU); and at most `outlier_max_fraction` of a peer group
+        (counting members already out as outliers) may be out at once, so a fleet-wide slowdown
+        (a traffic burst, long prompts) never empties the fleet: with three workers one may go,
+        with two neither (their median is their mean, which no factor >= 2 can exceed).
+        """
+        if not self._outliers_on():
+            return []
+        groups: dict[frozenset[str], list[Worker]] = {}
+        ejected: dict[frozenset[str], int] = {}
+        for w in self.workers.values():
+            if w.health is Health.HEALTHY:
+                groups.setdefault(w.models, []).append(w)
+            elif w.ejection_reason == "outlier":
+                ejected[w.models] = ejected.get(w.models, 0) + 1
+        out: list[tuple[str, float, float]] = []
+        for models, members in groups.items():
+            already = ejected.get(models, 0)
+            room = math.floor(self.outlier_max_fraction * (len(members) + already) + 1e-9)
+            room -= already
+            if room <= 0:
+                continue
+            meds = {
+                w.name: m
+                for w in members
+                if len(w.ttfts) >= max(1, self.outlier_min_samples)
+                and (m := w.ttft_median()) is not None
+            }
+            if len(meds) < 3:
+                continue  # fewer than three opinions: no majority to call anyone slow
+            peers = _median(list(meds.values()))
+            limit = max(self.outlier_factor * peers, self.outlier_min_s)
+            slow = sorted(
+                ((n, m, peers) for n, m in meds.items() if m > limit), key=lambda t: -t[1]
+            )
+            out.extend(slow[:room])
+        return out
+
+    def eject_outliers(self) -> list[str]:
+        """Eject what `outliers` names; returns their names."""
+        names = []
+        for name, med, peers in self.outliers():
+            w = self.workers[name]
+            self._eject(
+                w,
+                "outlier",
+                f"ttft outlier: median {med:.3f}s over {len(w.ttfts)} requests vs peers' "
+                f"{peers:.3f}s (limit {self.outlier_factor:g}x, floor {self.outlier_min_s:g}s)",
+            )
+            names.append(name)
+        return names
+
+    # -- transitions -------------------------------------------------------------------------
     def _fail(self, w: Worker, error: str) -> None:
         w.consecutive_successes = 0
         w.consecutive_failures += 1
@@ -231,12 +511,39 @@ class Registry:
         if w.health is not Health.UNHEALTHY and w.consecutive_failures >= self.unhealthy_after:
             self._set(w, Health.UNHEALTHY)
 
+    def _eject(self, w: Worker, reason: str, error: str) -> None:
+        """Breaker/outlier ejection: UNHEALTHY for an ejection time that doubles with each
+        ejection in a row. A worker that stayed in for longer than the longest ejection since
+        its last one starts a fresh series: that is a new incident, not the same one."""
+        now = self.clock()
+        if w.ejections and now - w.last_change_at > self.backoff_max_s:
+            w.ejections = 0
+        w.ejections += 1
+        hold = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (w.ejections - 1))
+        w.ejected_until = now + hold
+        w.ejection_reason = reason
+        w.last_error = error
+        w.consecutive_successes = 0
+        self._set(w, Health.UNHEALTHY)
+
     def _set(self, w: Worker, health: Health) -> None:
+        was = w.health
         w.health = health
-        w.last_change_at = time.monotonic()
+        w.last_change_at = self.clock()
+        if health is Health.HEALTHY:
+            # A (re)admitted worker is judged on fresh traffic only.
+            w.outcomes.clear()
+            w.outcome_failures = 0
+            w.ttfts.clear()
+            w.ejection_reason = ""
+            w.ejected_until = 0.0
+        if was is not health and self.on_change is not None:
+            self.on_change(w, was)
 
     def next_probe_delay(self, name: str, interval_s: float) -> float:
+        """Seconds until `name`'s next probe: the interval, or longer while it is ejected (probe
+        backoff, or the rest of a breaker/outlier ejection)."""
         w = self.workers.get(name)
         if w is None or w.health is not Health.UNHEALTHY:
             return interval_s
-        return max(interval_s, w.backoff_s)
+        return max(interval_s, w.backoff_s, w.ejected_until - self.clock())

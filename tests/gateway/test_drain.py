@@ -150,3 +150,39 @@ async def test_sigterm_drains_then_exits_cleanly(tmp_path: Path) -> None:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def test_admin_drains_a_worker_for_a_rolling_update() -> None:
+    admin = {"authorization": "Bearer kvg-admin-test"}
+    async with run_sim_workers(2, profile="fast") as fleet:
+        s = settings_for(list(fleet)).model_dump()
+        s["admin"] = {"key_sha256": hashlib.sha256(b"kvg-admin-test").hexdigest()}
+        async with run_gateway(Settings(**s)) as g, httpx.AsyncClient(timeout=30) as c:
+            await g.wait_healthy(2)
+            url = g.url + "/admin/workers/w0/drain"
+            assert (await c.post(url)).status_code == 401  # admin endpoints need the admin key
+            async with c.stream("POST", g.url + "/v1/chat/completions", json=_chat(400)) as r:
+                lines = r.aiter_lines()
+                busy = r.headers["x-kvgate-worker"]
+                assert (await anext(lines)).startswith("data: ")
+                doc = (await c.post(g.url + f"/admin/workers/{busy}/drain", headers=admin)).json()
+                assert doc["draining"] and doc["in_flight"] == 1 and not doc["drained"]
+                for _ in range(6):  # new work avoids the draining worker
+                    r2 = await c.post(
+                        g.url + "/v1/chat/completions",
+                        json={**_chat(2), "stream": False},
+                    )
+                    assert r2.headers["x-kvgate-worker"] != busy
+                rest = [line async for line in lines if line]
+            assert rest[-1] == "data: [DONE]"  # the in-flight stream finished normally
+            doc = (await c.get(g.url + f"/admin/workers/{busy}/drain", headers=admin)).json()
+            assert doc["drained"] and doc["in_flight"] == 0
+            doc = (await c.delete(g.url + f"/admin/workers/{busy}/drain", headers=admin)).json()
+            assert not doc["draining"]
+            seen = set()
+            for _ in range(20):
+                r3 = await c.post(
+                    g.url + "/v1/chat/completions", json={**_chat(2), "stream": False}
+                )
+                seen.add(r3.headers["x-kvgate-worker"])
+            assert busy in seen

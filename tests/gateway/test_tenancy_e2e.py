@@ -330,16 +330,16 @@ async def test_two_gateways_sharing_redis_enforce_one_global_limit(sims, redis) 
                         except httpx.HTTPError:
                             pass
                         await asyncio.sleep(0.05)
-                codes = await asyncio.gather(
-                    *(
-                        c.post(
-                            urls[i % 2] + "/v1/chat/completions",
-                            json=chat(max_tokens=1),
-                            headers=auth("kvg-two"),
-                        )
-                        for i in range(200)
+                # Alternating, one at a time: which replica answers first must not decide who
+                # gets the burst (concurrently, a replica slower to start may get none of it).
+                codes = [
+                    await c.post(
+                        urls[i % 2] + "/v1/chat/completions",
+                        json=chat(max_tokens=1),
+                        headers=auth("kvg-two"),
                     )
-                )
+                    for i in range(200)
+                ]
             ok = sum(r.status_code == 200 for r in codes)
             assert {r.status_code for r in codes} <= {200, 429}
             # 200 requests within seconds: the burst plus what the rate refills meanwhile.
