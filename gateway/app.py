@@ -33,6 +33,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.autoscale import (
+    AutoscaleCollector,
+    DesiredWorkers,
+    InFlight,
+    fleet_loads,
+    request_tokens,
+)
 from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
     ConfigWatcher,
@@ -114,6 +121,7 @@ def _precise_index(k: KVEventSettings) -> PreciseIndex:
     return PreciseIndex(
         offload_weight=k.offload_weight,
         pending_ttl_s=k.pending_ttl_s,
+        settle_s=k.settle_s,
         stale_after_s=k.stale_after_s,
         stale_after_dispatches=k.stale_after_dispatches,
     )
@@ -156,6 +164,12 @@ class Gateway:
             _admission(settings.admission), observer=AdmissionMetrics(self.metrics)
         )
         self.metrics.registry.register(AdmissionCollector(self.admission))
+        self.autoscale = DesiredWorkers()
+        self.metrics.registry.register(
+            AutoscaleCollector(
+                self.autoscale, functools.partial(fleet_loads, self.registry, self.admission)
+            )
+        )
         self.usage: UsageSink = NullSink()
         self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
@@ -291,6 +305,7 @@ class Gateway:
             k = r.kv_events
             p_ = self.precise
             p_.offload_weight, p_.pending_ttl_s = k.offload_weight, k.pending_ttl_s
+            p_.settle_s = k.settle_s
             p_.stale_after_s, p_.stale_after_dispatches = k.stale_after_s, k.stale_after_dispatches
         if r.token_mode != old.routing.token_mode:
             try:
@@ -515,7 +530,9 @@ class Gateway:
                 route=route,
                 t_start=t0,
                 pool_ok=self._split(model),
-                ctx=_Ctx(tenant, ticket, prompt_est),
+                ctx=_Ctx(
+                    tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
+                ),
             )
             resp = await self._dispatch(request, call, tenant)
             if ticket is not None and ticket.admission is not None:
@@ -596,7 +613,7 @@ class Gateway:
             adm = self.admission.settings
             # The last await before the proxy picks a worker (see gateway.admission): the room
             # this grants is taken synchronously by the dispatch.
-            await self.admission.admit(
+            admitted = await self.admission.admit(
                 tenant=tenant.name,
                 priority=tenant.priority,
                 weight=tenant.cfg.queue_weight,
@@ -604,7 +621,17 @@ class Gateway:
                 has_room=functools.partial(self._room, call.model, tenant.priority),
                 pool=call.model,
             )
-            return await self.proxy.forward(call)
+            # Every request (0 s when it went straight through): the p95 is over all of them.
+            self.autoscale.observe_queue_wait(call.model, admitted.wait_s)
+            lease = call.ctx.in_flight = self.autoscale.begin(call.model, call.ctx.tokens)
+            try:
+                resp = await self.proxy.forward(call)
+            except BaseException:
+                lease.end()  # nothing was handed to the client
+                raise
+            if call.ttft is not None and call.status == 200:
+                self.autoscale.observe_ttft(call.model, call.ttft)  # streams return at 1st byte
+            return resp
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -625,6 +652,8 @@ class Gateway:
         if ctx is None or ctx.settled:
             return
         ctx.settled = True
+        if ctx.in_flight is not None:
+            ctx.in_flight.end()
         u = call.usage
         charged = 0
         t = ctx.ticket
@@ -792,6 +821,8 @@ class _Ctx:
     ticket: Ticket | None
     prompt_estimate: int
     settled: bool = False  # _settle ran: the ticket is closed whatever happens next
+    tokens: int = 0  # prompt estimate + output cap: the autoscaler's tokens in flight
+    in_flight: InFlight | None = None
 
 
 def _worker_doc(w: Worker) -> dict[str, object]:

@@ -174,9 +174,11 @@ class TokenModeSettings(_Section):
 class KVEventSettings(_Section):
     # Blocks held only in an offloaded tier (CPU, disk) count this much of a GPU-resident block.
     offload_weight: float = Field(0.5, ge=0, le=1)
-    # A dispatched request's blocks count as held this long before its BlockStored arrives
-    # (vLLM publishes after prefill): keeps a burst of one prefix on one worker.
-    pending_ttl_s: float = Field(2.0, ge=0)
+    # A dispatched request's blocks count as held until its first token (vLLM publishes them
+    # after prefill) plus settle_s, so a burst of one prefix stays on one worker; pending_ttl_s
+    # bounds a dispatch whose end was never seen. Long: a prefill can queue for a long time.
+    pending_ttl_s: float = Field(300.0, ge=0)
+    settle_s: float = Field(1.0, ge=0)
     # A worker's events are stale (route it by the approximate index) after this many dispatches
     # AND this many seconds without an event batch: it got traffic but stopped publishing.
     stale_after_dispatches: int = Field(20, ge=1)
