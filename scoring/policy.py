@@ -356,6 +356,10 @@ class KVAware(_Learning):
             state.sessions.lookup(request.session_id, self._clock()) if request.session_id else None
         )
         last, last_tokens = entry if entry else (None, 0)
+        if last in trusted:
+            # The session's worker publishes events: what it holds of this prompt is known, so
+            # its last turn is not assumed to be cached there (it may have been evicted).
+            last_tokens = 0
         scan = self._scan
         d = self.options.sample_size
         pool = candidates
