@@ -529,14 +529,17 @@ async def test_a_running_gateway_exports_the_signals_per_model() -> None:
     from tests.gateway.conftest import MODEL, run_gateway, settings_for
     from workers.sim.testing import run_sim_workers
 
-    async with run_sim_workers(2, profile="fast") as fleet:
-        async with run_gateway(settings_for(list(fleet))) as g, httpx.AsyncClient() as c:
-            await g.wait_healthy(2)
-            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}
-            for _ in range(12):
-                r = await c.post(g.url + "/v1/completions", json=body)
-                assert r.status_code == 200
-            m = await g.metrics()
+    async with (
+        run_sim_workers(2, profile="fast") as fleet,
+        run_gateway(settings_for(list(fleet))) as g,
+        httpx.AsyncClient() as c,
+    ):
+        await g.wait_healthy(2)
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True}
+        for _ in range(12):
+            r = await c.post(g.url + "/v1/completions", json=body)
+            assert r.status_code == 200
+        m = await g.metrics()
     label = f'{{model="{MODEL}"}}'
     assert m[f"kvgate_autoscale_healthy_workers{label}"] == 2
     assert m[f"kvgate_autoscale_desired_workers{label}"] >= 1
