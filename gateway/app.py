@@ -98,23 +98,9 @@ def _admission(a: AdmissionConfig) -> AdmissionSettings:
     return AdmissionSettings(**{k: v for k, v in a.model_dump().items() if k in names})
 
 
-_REGISTRY_KNOBS = (
-    "unhealthy_after",
-    "healthy_after",
-    "backoff_initial_s",
-    "backoff_max_s",
-    "breaker_window",
-    "breaker_error_rate",
-    "breaker_min_requests",
-    "outlier_factor",
-    "outlier_min_s",
-    "outlier_min_samples",
-    "outlier_max_fraction",
-)
-
-
 def _registry_knobs(p: ProbeSettings) -> dict[str, Any]:
-    return {k: getattr(p, k) for k in _REGISTRY_KNOBS}
+    """The [probes] settings the registry takes (health, breaker, outliers)."""
+    return {k: getattr(p, k) for k in Registry.KNOBS if k in ProbeSettings.model_fields}
 
 
 def _precise_index(k: KVEventSettings) -> PreciseIndex:

@@ -215,7 +215,7 @@ class Registry:
         self._known_models: dict[str, frozenset[str]] = {}
         self.sync(specs)
 
-    _KNOBS = frozenset(
+    KNOBS = frozenset(
         {
             "unhealthy_after",
             "healthy_after",
@@ -236,7 +236,7 @@ class Registry:
     def configure(self, **knobs: float) -> None:
         """Change knobs live (config reload). Windows shrink lazily on the next outcome/sample;
         worker state (health, drain, ejections) is kept."""
-        unknown = set(knobs) - self._KNOBS
+        unknown = set(knobs) - self.KNOBS
         if unknown:
             raise TypeError(f"unknown registry setting(s): {sorted(unknown)}")
         for k, v in knobs.items():

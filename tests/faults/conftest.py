@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -24,10 +23,10 @@ import orjson
 import uvicorn
 from prometheus_client import generate_latest
 
-from gateway.app import Gateway, create_app
+from gateway.app import Gateway
 from gateway.config import Settings
 from gateway.quota_memory import MemoryQuotaStore
-from tests.gateway.conftest import MODEL, flat_metrics, settings_for
+from tests.gateway.conftest import MODEL, flat_metrics, run_gateway, settings_for
 from workers.sim.testing import SimFleet, run_sim_workers
 
 __all__ = ["MODEL"]
@@ -140,39 +139,6 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(
-    settings: Settings, sndbuf: int | None = None
-) -> AsyncIterator[tuple[str, Gateway, uvicorn.Server]]:
-    """The tests/gateway harness's `run_gateway`, keeping the uvicorn server for inspection.
-
-    `sndbuf` fixes SO_SNDBUF on the listening socket (accepted sockets inherit it), so kernel
-    autotuning cannot hide how much a slow client makes the gateway itself hold.
-    """
-    app = create_app(settings)
-    sock = socket.socket()
-    if sndbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
-        )
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app.state.gateway, server
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
-
-
-@contextlib.asynccontextmanager
 async def run_stack(
     n_workers: int = 1,
     *,
@@ -183,7 +149,9 @@ async def run_stack(
 ) -> AsyncIterator[Stack]:
     async with run_sim_workers(n_workers, profile=profile, **dict(sim or {})) as fleet:
         s = fault_settings(list(fleet), **settings)
-        async with serve_gateway(s, sndbuf) as (url, gw, server):
+        async with run_gateway(s, sndbuf=sndbuf) as running:
+            url, gw, server = running.url, running.gw, running.server
+            assert server is not None
             deadline = time.monotonic() + 10
             while len(gw.registry.healthy()) < n_workers:
                 assert time.monotonic() < deadline, "workers never became healthy"

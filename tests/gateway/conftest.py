@@ -111,6 +111,7 @@ def settings_for(urls: list[str], **sections: dict[str, Any]) -> Settings:
 class RunningGateway:
     url: str
     gw: Gateway
+    server: uvicorn.Server | None = None
 
     async def metrics(self) -> dict[str, float]:
         async with httpx.AsyncClient() as c:
@@ -136,9 +137,16 @@ def flat_metrics(text: str) -> dict[str, float]:
 
 
 @contextlib.asynccontextmanager
-async def run_gateway(settings: Settings, config_path: Any = None) -> AsyncIterator[RunningGateway]:
+async def run_gateway(
+    settings: Settings, config_path: Any = None, sndbuf: int | None = None
+) -> AsyncIterator[RunningGateway]:
+    """An in-process gateway on a free port. `sndbuf` fixes SO_SNDBUF on the listening socket
+    (accepted sockets inherit it), so kernel autotuning cannot hide what a slow client makes the
+    gateway itself hold."""
     app = create_app(settings, config_path)
     sock = socket.socket()
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
@@ -152,7 +160,7 @@ async def run_gateway(settings: Settings, config_path: Any = None) -> AsyncItera
             task.result()
         await asyncio.sleep(0.01)
     try:
-        yield RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway)
+        yield RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway, server)
     finally:
         server.should_exit = True
         await task
