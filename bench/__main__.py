@@ -5,6 +5,8 @@ python -m bench capacity --slo-ttft-p95 2 --slo-tpot-p95 0.1
 python -m bench replay --url http://127.0.0.1:8000 --trace my_trace.jsonl
 python -m bench compare
 python -m bench traces info ../shared/traces/azure/AzureLLMInferenceTrace_code.csv
+python -m bench spike                      # overload: 5x capacity, admission on vs off
+python -m bench soak --duration 600        # 80% of capacity for 10 min: RSS, drift, leftovers
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ TOOLS = {
     "capacity": "bench.capacity",
     "replay": "bench.replay",
     "compare": "bench.compare",
+    "spike": "bench.spike",
+    "soak": "bench.soak",
 }
 
 
