@@ -364,6 +364,10 @@ class Gateway:
             total += w.spec.max_concurrency or a.worker_concurrency
             free += room(w)
         if priority < a.reserve_min_priority:
+            # Headroom, not a quota: the last free slots stay free for the high tiers whatever
+            # they already run. Withholding only the part of the reserve they leave unused was
+            # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
+            # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
             free -= int(total * a.priority_reserve)
         return free if free > 0 else 0
 
