@@ -17,8 +17,8 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from gateway.quota import (
+    MEMORY_SETTLED_TTL_S,
     RECORD_GRACE_S,
-    SETTLED_TTL_S,
     Admission,
     QuotaKeys,
     Reservation,
@@ -227,7 +227,7 @@ class MemoryQuotaStore:
                 new = gcra_adjust(self._backlog(s.key, now, s.rate), units)
                 self._set_backlog(s.key, new, now, s.rate)
         rec.state = "settled"
-        rec.expires_us = now + SETTLED_TTL_S * 1e6
+        rec.expires_us = now + MEMORY_SETTLED_TTL_S * 1e6
         return Settlement("settled", rec.tokens, actual)
 
     async def usage(self, tenant: str, limits: TenantLimits | None = None) -> dict[str, Any]:
