@@ -909,6 +909,7 @@ class FastPathApp:
         self.app = app
         self.state = app.state
         self._gw = gw
+        self._active = 0  # completion requests being served (the edge's concurrency cap)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -929,8 +930,25 @@ class FastPathApp:
             and scope["method"] == "POST"
             and scope["path"] in (CHAT, COMPLETIONS)
         ):
-            response = await self._gw.completions(Request(scope, receive))
-            await response(scope, receive, send)
+            if self._active >= self._gw.settings.server.max_concurrent_requests:
+                # A flood of connections must not become a flood of tasks, buffers and queue
+                # entries: past the cap, a cheap refusal before anything is read.
+                self._gw.metrics.rejected.labels("503").inc()
+                err = APIError(
+                    503,
+                    "The gateway is serving too many requests at once; retry shortly.",
+                    "service_unavailable",
+                    code="too_many_connections",
+                    retry_after_s=1.0,
+                )
+                await err.response()(scope, receive, send)
+                return
+            self._active += 1
+            try:
+                response = await self._gw.completions(Request(scope, receive))
+                await response(scope, receive, send)
+            finally:
+                self._active -= 1
             return
         await self.app(scope, receive, send)
 

@@ -36,6 +36,9 @@ class ServerSettings(_Section):
     debug_headers: bool = False
     # Total size of the request headers; larger requests get a 431 before any work is done.
     max_header_bytes: int = Field(64 * 1024, ge=1024)
+    # Completion requests served at once (queued ones included); beyond it a 503 with Retry-After
+    # before the body is read: a connection flood cannot turn into unbounded tasks and buffers.
+    max_concurrent_requests: int = Field(4096, ge=1)
     # On SIGTERM: /ready fails and new requests get 503 at once; in-flight requests get this long
     # to finish, then remaining streams end with an SSE error event (all settled) and it exits.
     drain_grace_s: float = Field(30.0, ge=0)

@@ -48,10 +48,11 @@ def sha(key: str) -> str:
 def fault_settings(
     urls: list[str], *, max_body_bytes: int = BODY_LIMIT, **sections: Any
 ) -> Settings:
+    server = {"max_body_bytes": max_body_bytes, **sections.pop("server", {})}
     data = settings_for(
         urls,
         quota={"backend": "memory"},
-        server={"max_body_bytes": max_body_bytes},
+        server=server,
         probes={"interval_s": 0.5, "timeout_s": 2.0, "unhealthy_after": 1000},
         **sections,
     ).model_dump()

@@ -295,3 +295,24 @@ async def test_oversized_headers_are_refused_with_431(shape: str) -> None:
         if r.headers.get("content-type", "").startswith("application/json"):
             assert_openai_error(r.status, r.headers["content-type"], r.body)
         assert s.engine_counts() == before
+
+
+async def test_requests_past_the_concurrency_cap_get_a_clean_503() -> None:
+    async with run_stack(1, server={"max_concurrent_requests": 3}) as s:
+        socks = []
+        for _ in range(3):  # three uploads that never finish hold the three places
+            sock = await connect(s.port)
+            req = http_request(CHAT, chat(max_tokens=2), headers=AUTH)
+            await send(sock, req[:-10])
+            socks.append(sock)
+        await asyncio.sleep(0.2)
+        r = await raw_exchange(s.port, http_request(CHAT, chat(max_tokens=2), headers=AUTH))
+        assert r.status == 503 and r.headers["retry-after"] == "1"
+        assert assert_openai_error(r.status, r.headers["content-type"], r.body)["code"] == (
+            "too_many_connections"
+        )
+        for sock in socks:
+            hang_up(sock, "close")
+        await s.assert_quiescent()
+        r = await raw_exchange(s.port, http_request(CHAT, chat(max_tokens=2), headers=AUTH))
+        assert r.status == 200

@@ -1,0 +1,102 @@
+"""Load through a misbehaving fleet: one worker flapping its health, one stalling mid-stream,
+one failing a share of its requests. Nothing but intended outcomes reach clients, and when the
+load is over nothing is held anywhere (the worker crash under load, which needs the workers in a
+child process, is in tests/gateway/test_tenancy_e2e.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import orjson
+
+from tests.faults.conftest import KEY_OPEN, MODEL, Stack, fault_settings
+from tests.gateway.conftest import run_gateway
+from workers.sim.testing import run_sim_workers
+
+AUTH = {"authorization": f"Bearer {KEY_OPEN}"}
+
+
+async def _flap(fleet: Any, stop: asyncio.Event) -> None:
+    faults = fleet.workers[0].faults
+    while not stop.is_set():
+        faults.update({"unhealthy": not faults.unhealthy})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.3)
+    faults.update({"unhealthy": False})
+
+
+async def _one(c: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
+    """(status, how the stream ended: done / error_then_done / body)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"request {i}: " + "words " * 30}],
+        "max_tokens": 24,
+        "stream": i % 3 != 0,
+    }
+    async with c.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH) as r:
+        raw = await r.aread()
+    if r.status_code != 200:
+        doc = orjson.loads(raw)
+        assert set(doc["error"]) >= {"message", "type", "param", "code"}, raw[:300]
+        assert "retry-after" in r.headers or r.status_code != 503, r.headers
+        return r.status_code, "error"
+    if not body["stream"]:
+        assert orjson.loads(raw)["choices"], raw[:300]
+        return 200, "body"
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+    return 200, "error_then_done" if b'"error"' in raw else "done"
+
+
+async def test_load_through_a_flapping_stalling_failing_fleet() -> None:
+    async with run_sim_workers(3, profile="fast") as fleet:
+        s = fault_settings(list(fleet))
+        s = s.model_copy(
+            update={
+                "probes": s.probes.model_copy(
+                    update={"interval_s": 0.1, "unhealthy_after": 1, "backoff_initial_s": 0.1}
+                ),
+                "timeouts": s.timeouts.model_copy(update={"idle_s": 0.5, "first_byte_s": 5}),
+            }
+        )
+        async with run_gateway(s) as running:
+            assert running.server is not None
+            st = Stack(running.url, 0, running.gw, running.server, fleet)
+            deadline = time.monotonic() + 10
+            while len(st.gw.registry.healthy()) < 3:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            fleet.workers[1].faults.update({"stall_after_tokens": 5})
+            fleet.workers[2].faults.update({"error_rate": 0.3, "error_status": 500})
+            fleet.workers[2].faults._rng = random.Random(7)
+            stop = asyncio.Event()
+            flapper = asyncio.create_task(_flap(fleet, stop))
+            sem = asyncio.Semaphore(6)
+
+            async def bounded(c: httpx.AsyncClient, i: int) -> tuple[int, str]:
+                async with sem:
+                    return await _one(c, st.url, i)
+
+            try:
+                async with httpx.AsyncClient(timeout=30) as c:
+                    results = await asyncio.gather(*(bounded(c, i) for i in range(60)))
+            finally:
+                stop.set()
+                await flapper
+            for w in fleet.workers:
+                w.faults.reset()
+            outcomes = Counter(results)
+            # Retries hide failures before the first byte; a stalled stream ends with an SSE
+            # error and [DONE]; a 503 only when no worker was routable at that instant.
+            assert {status for status, _ in outcomes} <= {200, 503}, outcomes
+            assert outcomes[(200, "done")] + outcomes[(200, "body")] >= 20, outcomes
+            await st.assert_quiescent(timeout=10)
+            m = st.metrics()
+            assert m.get('kvgate_stream_errors_total{reason="idle_timeout"}', 0) >= 1, outcomes
+            retried = sum(v for k, v in m.items() if k.startswith("kvgate_retries_total"))
+            assert retried >= 1, outcomes  # the failing worker's 500s went to another worker
