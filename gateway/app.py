@@ -75,9 +75,14 @@ _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 def _load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
-    from gateway.tokenizers import load_token_keyer
+    from gateway.tokenizers import SIM_TOKENIZER, load_token_keyer, sim_token_keyer
 
-    return {m: load_token_keyer(p, cache_tokens=t.cache_tokens) for m, p in t.models.items()}
+    return {
+        m: sim_token_keyer(t.cache_tokens)
+        if p == SIM_TOKENIZER
+        else load_token_keyer(p, cache_tokens=t.cache_tokens)
+        for m, p in t.models.items()
+    }
 
 
 def _spec(w: WorkerSettings) -> WorkerSpec:

@@ -150,9 +150,13 @@ def cmd_dev(args: argparse.Namespace) -> int:
     settings = _load(args.config)
     setup_logging(settings.logging.level, "text")
     procs: list[subprocess.Popen[bytes]] = []
+    kv_ports = {urlsplit(w.url).port: w.kv_events for w in settings.workers}
     for port, n in _sim_groups(settings):
         cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--workers", str(n)]
         cmd += ["--profile", args.profile, "--model", args.model]
+        kv = urlsplit(kv_ports.get(port) or "")
+        if kv.port:  # the group's first worker publishes there, the next ones 2 ports apart
+            cmd += ["--kv-events-port", str(kv.port)]
         procs.append(subprocess.Popen(cmd, start_new_session=True))
     try:
         _wait_healthy([w.url for w in settings.workers], procs, 60)

@@ -158,7 +158,8 @@ class SplitSettings(_Section):
 
 class TokenModeSettings(_Section):
     # Served model name -> local directory holding the files its workers serve (tokenizer.json and
-    # tokenizer_config.json / chat_template.jinja). Models not listed route in text mode.
+    # tokenizer_config.json / chat_template.jinja), or "sim" for the simulated workers' own
+    # tokenizer. Models not listed route in text mode.
     models: dict[str, str] = Field(default_factory=dict)
     # Prefix-ids cache per model (4 bytes per token held).
     cache_tokens: int = Field(1 << 20, ge=0)
@@ -169,7 +170,7 @@ class TokenModeSettings(_Section):
     @classmethod
     def _has_tokenizer(cls, v: dict[str, str]) -> dict[str, str]:
         for name, path in v.items():
-            if not (Path(path) / "tokenizer.json").is_file():
+            if path != "sim" and not (Path(path) / "tokenizer.json").is_file():
                 raise ValueError(f"token_mode.models[{name!r}]: no tokenizer.json in {path}")
         return v
 

@@ -405,3 +405,22 @@ def load_token_keyer(
         cache_tokens=cache_tokens,
         cache_min_chars=cache_min_chars,
     )
+
+
+SIM_TOKENIZER = "sim"
+
+
+def sim_token_keyer(cache_tokens: int = 1 << 20) -> TokenKeyer:
+    """Token mode for the simulated workers (``models = { "sim-llama" = "sim" }``): their own
+    tokenizer and chat template, so `make run` and the benches key requests exactly as the
+    simulators cache them and publish them in their KV events."""
+    from workers.sim.tokenizer import encode, render_chat
+
+    def render(
+        messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, /, **kw: Any
+    ) -> str:
+        return render_chat(
+            messages, tools, add_generation_prompt=kw.get("add_generation_prompt", True)
+        )
+
+    return TokenKeyer(encode, render, cache_tokens=cache_tokens)

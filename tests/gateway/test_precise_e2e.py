@@ -167,3 +167,40 @@ async def test_a_worker_reset_is_seen_through_its_events() -> None:
                     await asyncio.sleep(0.05)
             m = await g.metrics()
             assert m[f'kvgate_kv_event_resets_total{{reason="cleared",worker="{owner}"}}'] >= 1
+
+
+async def test_chat_in_token_mode_predicts_the_cached_tokens_the_worker_reports() -> None:
+    """Chat text keyed with the simulators' own tokenizer (token mode "sim"): the precise
+    prediction for a follow-up request matches the worker's cached_tokens within one block."""
+    async with run_sim_workers(2, profile="fast", kv_events=True, num_blocks=1024) as fleet:
+        workers = [
+            {
+                "name": f"w{i}",
+                "url": u,
+                "kv_events": fleet.kv_endpoints[i],
+                "kv_events_replay": fleet.kv_replay_endpoints[i],
+            }
+            for i, u in enumerate(fleet)
+        ]
+        settings = settings_for(
+            list(fleet),
+            routing={"policy": "kv_aware", "token_mode": {"models": {MODEL: "sim"}}},
+            workers=workers,
+        )
+        system = {"role": "system", "content": "You are a helpful assistant. " * 60}
+        async with run_gateway(settings) as g, httpx.AsyncClient(timeout=30) as c:
+            await _trusted(g.url, 2)
+            for i in range(4):
+                body = {
+                    "model": MODEL,
+                    "messages": [system, {"role": "user", "content": f"question {i}?"}],
+                    "max_tokens": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                r = await c.post(g.url + "/v1/chat/completions", json=body)
+                assert r.status_code == 200
+                await asyncio.sleep(0.2)  # the first prompt's events land before the next one
+            m = await g.metrics()
+        agree = m.get('kvgate_cached_tokens_predictions_total{outcome="agree",source="precise"}', 0)
+        assert agree >= 3, {k: v for k, v in m.items() if "predictions" in k}
