@@ -298,6 +298,9 @@ class QuotaSettings(_Section):
     # Consecutive store failures that open the circuit, and how long it stays open.
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown_s: float = Field(5.0, gt=0)
+    # Settlements kept for replay while the store is down (beyond: oldest fall back to lease
+    # expiry). ~300 B each.
+    max_deferred_settlements: int = Field(100_000, ge=1)
     # Usage records (one per finished request): a Redis stream with the redis backend ...
     usage_stream: str = "kvgate:usage"
     usage_stream_maxlen: int = Field(100_000, ge=1)

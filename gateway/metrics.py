@@ -103,6 +103,18 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
+        self.quota_deferred_pending = Gauge(
+            "kvgate_quota_deferred_settlements",
+            "Settlements waiting for the quota store to answer again (replayed when it does)",
+            registry=r,
+        )
+        self.quota_deferred = Counter(
+            "kvgate_quota_deferred_settlements_outcomes",
+            "Deferred settlements by outcome: replayed to the store, or dropped (backlog full; "
+            "their leases expire by age)",
+            ["outcome"],
+            registry=r,
+        )
         self.inter_event = Histogram(
             "kvgate_inter_event_seconds",
             "Gaps between upstream SSE reads while streaming",

@@ -4,12 +4,22 @@ Wraps a `QuotaStore` with the circuit breaker and the per-tenant failure mode. W
 store is unreachable, fail-open tenants are limited locally at `limit / replicas` (so a fleet of
 replicas does not admit `limit x replicas`), fail-closed tenants get 503 + Retry-After. A request is
 settled against the store that admitted it, so a mode switch mid-request loses nothing.
+
+A settlement that cannot reach the store is kept and replayed once the store answers again
+(settlement is idempotent per request id, so a settle whose reply was lost is not charged twice).
+Without the replay a Redis blip would leave every request that finished during it charged its
+whole reservation and holding its concurrency lease until `lease_ttl_s` (15 minutes): a tenant at
+its `max_concurrent` would be locked out long after Redis came back. The backlog is bounded
+(`max_deferred_settlements`); past it the oldest fall back to lease expiry, counted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +65,15 @@ class Ticket:
     done: bool = False
 
 
+@dataclass(slots=True)
+class _Deferred:
+    """A settle (`actual` set) or release that the store could not take yet."""
+
+    ticket: Ticket
+    actual: int | None
+    refund_all: bool
+
+
 class QuotaGate:
     def __init__(self, cfg: QuotaSettings, metrics: GatewayMetrics) -> None:
         self.cfg = cfg
@@ -78,6 +97,8 @@ class QuotaGate:
             cooldown_s=cfg.breaker_cooldown_s,
             on_transition=self._transition,
         )
+        self._deferred: OrderedDict[str, _Deferred] = OrderedDict()
+        self._replayer: asyncio.Task[None] | None = None
         self._export_mode()
 
     def _transition(self, old: BreakerState, new: BreakerState) -> None:
@@ -90,6 +111,17 @@ class QuotaGate:
             self.metrics.quota_breaker.labels(st.value).set(1 if self.breaker.state is st else 0)
 
     async def close(self) -> None:
+        if self._replayer is not None:
+            self._replayer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replayer
+        if self._deferred and self.breaker.state is BreakerState.CLOSED:
+            await self._replay_deferred()  # one last try: the store may be back already
+        if self._deferred:
+            log.warning(
+                "%d settlements never reached the quota store; their leases expire by age",
+                len(self._deferred),
+            )
         await self.shared.close()
         await self.degraded.close()
 
@@ -110,6 +142,11 @@ class QuotaGate:
             except QuotaStoreUnavailable as e:
                 self.breaker.record_failure(time.monotonic())
                 log.warning("quota store unavailable: %s", e)
+                # The script may have run with its reply lost (a timeout, Redis killed after
+                # the write): a full refund for this id, replayed later, frees what it may hold
+                # and is a no-op on a store that never saw it.
+                orphan = Ticket(tenant, request_id, model, tokens, self.shared, None)
+                self._defer(_Deferred(orphan, None, True), None)
         if adm is None:
             if tenant.cfg.on_store_failure == "closed":
                 m.child(m.tenant_requests, tenant.name, "store_unavailable").inc()
@@ -144,12 +181,7 @@ class QuotaGate:
         if t.store is None:
             return
         m.child(m.tenant_in_flight, t.tenant.name).dec()
-        try:
-            await t.store.settle(t.tenant.name, t.request_id, actual_tokens, limits=t.tenant.limits)
-        except QuotaStoreUnavailable as e:
-            # The lease expires by age and the reservation stays charged: never a free request.
-            self.breaker.record_failure(time.monotonic())
-            log.warning("settle of %s deferred to lease expiry: %s", t.request_id, e)
+        await self._finish(_Deferred(t, actual_tokens, False))
 
     async def release(self, t: Ticket, *, refund_all: bool) -> None:
         """Nothing was generated: refund the tokens (and the request when it was not the client's
@@ -162,13 +194,80 @@ class QuotaGate:
         if t.store is None:
             return
         m.child(m.tenant_in_flight, t.tenant.name).dec()
+        await self._finish(_Deferred(t, None, refund_all))
+
+    # -- settlements the store could not take ----------------------------------------------------
+    @property
+    def deferred(self) -> int:
+        """Settlements waiting for the store to come back."""
+        return len(self._deferred)
+
+    async def _finish(self, d: _Deferred) -> None:
+        # While the circuit is open the store is known to be down: queue without a doomed call
+        # (each would cost a socket timeout on a black-holed Redis).
+        if d.ticket.store is self.shared and not self._store_open():
+            self._defer(d, None)
+            return
         try:
-            await t.store.release(
-                t.tenant.name, t.request_id, limits=t.tenant.limits, refund_all=refund_all
-            )
+            await self._apply(d)
         except QuotaStoreUnavailable as e:
             self.breaker.record_failure(time.monotonic())
-            log.warning("release of %s deferred to lease expiry: %s", t.request_id, e)
+            self._defer(d, e)
+
+    def _store_open(self) -> bool:
+        return self.breaker.state is BreakerState.CLOSED
+
+    async def _apply(self, d: _Deferred) -> None:
+        t = d.ticket
+        assert t.store is not None
+        if d.actual is not None:
+            await t.store.settle(t.tenant.name, t.request_id, d.actual, limits=t.tenant.limits)
+        else:
+            await t.store.release(
+                t.tenant.name, t.request_id, limits=t.tenant.limits, refund_all=d.refund_all
+            )
+
+    def _defer(self, d: _Deferred, err: Exception | None) -> None:
+        m = self.metrics
+        self._deferred[d.ticket.request_id] = d
+        if err is not None:
+            log.warning(
+                "settlement of %s deferred until the store answers: %s", d.ticket.request_id, err
+            )
+        while len(self._deferred) > self.cfg.max_deferred_settlements:
+            _, old = self._deferred.popitem(last=False)
+            m.quota_deferred.labels("dropped").inc()
+            log.warning(
+                "settlement of %s dropped (backlog full): its lease expires by age",
+                old.ticket.request_id,
+            )
+        m.quota_deferred_pending.set(len(self._deferred))
+        if self._replayer is None or self._replayer.done():
+            self._replayer = asyncio.get_running_loop().create_task(self._replay_loop())
+
+    async def _replay_loop(self) -> None:
+        """Retry the backlog whenever the breaker lets a call through; this loop is also the
+        half-open probe when no request arrives to make one."""
+        while self._deferred:
+            await asyncio.sleep(min(1.0, self.cfg.breaker_cooldown_s))
+            if self.breaker.allow(time.monotonic()):
+                await self._replay_deferred()
+
+    async def _replay_deferred(self) -> None:
+        m = self.metrics
+        while self._deferred:
+            rid, d = next(iter(self._deferred.items()))
+            try:
+                await self._apply(d)
+            except QuotaStoreUnavailable:
+                self.breaker.record_failure(time.monotonic())
+                return
+            self.breaker.record_success(time.monotonic())
+            # A settle of the same id may have been deferred again meanwhile: pop by identity.
+            if self._deferred.get(rid) is d:
+                del self._deferred[rid]
+            m.quota_deferred.labels("replayed").inc()
+            m.quota_deferred_pending.set(len(self._deferred))
 
 
 def _refusal(adm: Admission, model: str, tokens: int) -> APIError:

@@ -6,16 +6,19 @@ server is kept so a test can look at its connections' write buffers. Only 127.0.
 
 `assert_quiescent` is the leak check every fault test ends with: nothing in flight anywhere (the
 gateway's per-worker counters, the tenants' concurrency leases and open reservations, the
-workers' engines, the server's request tasks).
+workers' engines, the server's request tasks). `MemoryWatch` is the other half: the Python heap
+of this process (gateway, in-process workers, clients) back near where it was before the fault.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import time
-from collections.abc import AsyncIterator, Mapping
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,7 @@ from prometheus_client import generate_latest
 from gateway.app import Gateway
 from gateway.config import Settings
 from gateway.quota_memory import MemoryQuotaStore
+from gateway.quota_redis import RedisQuotaStore
 from tests.gateway.conftest import MODEL, flat_metrics, run_gateway, settings_for
 from workers.sim.testing import SimFleet, run_sim_workers
 
@@ -46,14 +50,20 @@ def sha(key: str) -> str:
 
 
 def fault_settings(
-    urls: list[str], *, max_body_bytes: int = BODY_LIMIT, **sections: Any
+    urls: list[str],
+    *,
+    max_body_bytes: int = BODY_LIMIT,
+    tenants: Mapping[str, Mapping[str, Any]] | None = None,
+    **sections: Any,
 ) -> Settings:
     server = {"max_body_bytes": max_body_bytes, **sections.pop("server", {})}
+    quota = {"backend": "memory", **sections.pop("quota", {})}
+    probes = {"interval_s": 0.5, "timeout_s": 2.0, "unhealthy_after": 1000}
     data = settings_for(
         urls,
-        quota={"backend": "memory"},
+        quota=quota,
         server=server,
-        probes={"interval_s": 0.5, "timeout_s": 2.0, "unhealthy_after": 1000},
+        probes={**probes, **sections.pop("probes", {})},
         **sections,
     ).model_dump()
     common = {"rpm": 1_000_000, "tpm": 1_000_000_000, "max_concurrent": MAX_CONCURRENT}
@@ -67,6 +77,8 @@ def fault_settings(
         },
         "open": {"keys_sha256": [sha(KEY_OPEN)], **common, "default_max_tokens": 8},
     }
+    for name, over in (tenants or {}).items():
+        data["tenants"][name].update(over)
     return Settings(**data)
 
 
@@ -76,7 +88,7 @@ class Stack:
     port: int
     gw: Gateway
     server: uvicorn.Server
-    fleet: SimFleet
+    fleet: SimFleet | None  # None: the workers run in child processes
 
     def metrics(self) -> dict[str, float]:
         return flat_metrics(generate_latest(self.gw.metrics.registry).decode())
@@ -84,7 +96,7 @@ class Stack:
     def engine_counts(self) -> dict[str, float]:
         """Finished-request counts by reason, summed over the workers' engines."""
         out: dict[str, float] = {}
-        for w in self.fleet.workers:
+        for w in self.fleet.workers if self.fleet else ():
             for reason, n in w.engine.stats().request_success.items():
                 out[reason] = out.get(reason, 0) + n
         return out
@@ -113,10 +125,19 @@ class Stack:
             ]
             if open_recs:
                 held["open reservations"] = open_recs
+        elif isinstance(store, RedisQuotaStore):
+            open_recs = []
+            async for k in store.client.scan_iter(f"{gw.settings.quota.key_prefix}*:res:*"):
+                if await store.client.hget(k, "state") == b"open":
+                    open_recs.append(k)
+            if open_recs:
+                held["open reservations"] = open_recs
+        if gw.quota.deferred:
+            held["deferred settlements"] = gw.quota.deferred
         for k, v in self.metrics().items():
             if k.startswith(("kvgate_tenant_in_flight", "kvgate_worker_in_flight")) and v:
                 held[k] = v
-        for w in self.fleet.workers:
+        for w in self.fleet.workers if self.fleet else ():
             s = w.engine.stats()
             if s.num_running or s.num_waiting or w.loop.num_in_flight:
                 held[f"engine {w.cfg.name}"] = (s.num_running, s.num_waiting, w.loop.num_in_flight)
@@ -158,6 +179,49 @@ async def run_stack(
                 assert time.monotonic() < deadline, "workers never became healthy"
                 await asyncio.sleep(0.02)
             yield Stack(url, int(url.rsplit(":", 1)[1]), gw, server, fleet)
+
+
+class MemoryWatch:
+    """The Python heap this process holds (tracemalloc), compared with a mark taken once warm.
+
+    RSS would not do: the allocator keeps freed pages, and the test process holds pytest too.
+    A fault test marks after a warm-up round (pools, lazy imports, metric children exist) and
+    asserts the growth after the fault is small; on failure `top()` names the lines that grew.
+    """
+
+    def __init__(self) -> None:
+        self._mark: tracemalloc.Snapshot | None = None
+        self._base = 0
+
+    def mark(self) -> None:
+        gc.collect()
+        self._base = tracemalloc.get_traced_memory()[0]
+        self._mark = tracemalloc.take_snapshot()
+
+    def growth(self) -> int:
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - self._base
+
+    def top(self, n: int = 8) -> str:
+        assert self._mark is not None
+        diff = tracemalloc.take_snapshot().compare_to(self._mark, "lineno")
+        return "\n".join(str(d) for d in diff[:n])
+
+    def assert_near_baseline(self, limit_bytes: int) -> None:
+        grown = self.growth()
+        assert grown < limit_bytes, f"heap grew {grown / 1024:.0f} KiB:\n{self.top()}"
+
+
+@contextlib.contextmanager
+def memory_watch() -> Iterator[MemoryWatch]:
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    try:
+        yield MemoryWatch()
+    finally:
+        if started:
+            tracemalloc.stop()
 
 
 # -- response checks --------------------------------------------------------------------------------

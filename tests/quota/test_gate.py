@@ -1,0 +1,163 @@
+"""QuotaGate across a Redis outage: settlements that could not reach Redis are replayed when it
+answers again, so leases and token charges come right without waiting for lease expiry.
+
+Real redis-server processes only. The persistent one (AOF, fsync on every write) comes back with
+the open reservations it held, as a Redis restarted or failed over with its data would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import generate_latest
+
+from gateway.config import QuotaSettings, TenantSettings
+from gateway.metrics import GatewayMetrics
+from gateway.quota_gate import QuotaGate, Ticket
+from gateway.redis_server import RedisServer
+from gateway.tenancy import Tenant, _limits
+from tests.gateway.conftest import flat_metrics
+
+# Small enough that what was charged is still visible after the restart (decays 100 tokens/s).
+TPM = 6000
+
+
+def tenant(name: str = "a") -> Tenant:
+    cfg = TenantSettings(rpm=1000, tpm=TPM, max_concurrent=4)
+    return Tenant(name, cfg, _limits(cfg), "", "")
+
+
+@pytest.fixture
+def persistent_redis() -> Iterator[RedisServer]:
+    with RedisServer(extra_config=["appendonly yes", "appendfsync always"]) as server:
+        yield server
+
+
+def make_gate(url: str, **over: object) -> tuple[QuotaGate, GatewayMetrics]:
+    cfg = QuotaSettings(
+        backend="redis",
+        redis_url=url,
+        key_prefix="gate:",
+        breaker_failures=1,
+        breaker_cooldown_s=0.2,
+        socket_timeout_s=0.2,
+        op_timeout_s=0.3,
+        **over,  # type: ignore[arg-type]
+    )
+    metrics = GatewayMetrics()
+    return QuotaGate(cfg, metrics), metrics
+
+
+@pytest.fixture
+async def gate(persistent_redis: RedisServer) -> AsyncIterator[tuple[QuotaGate, GatewayMetrics]]:
+    g, m = make_gate(persistent_redis.url)
+    yield g, m
+    await g.close()
+
+
+async def open_states(url: str) -> list[str]:
+    """The state of every reservation record still in Redis."""
+    r = aioredis.from_url(url)
+    try:
+        keys = [k async for k in r.scan_iter("gate:*")]
+        states = []
+        for k in keys:
+            if await r.type(k) == b"hash":
+                states.append((await r.hget(k, "state") or b"").decode())
+        return states
+    finally:
+        await r.aclose()
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+async def admit_n(g: QuotaGate, t: Tenant, n: int, tokens: int = 1000) -> list[Ticket]:
+    return [await g.admit(t, f"req-{i}", "m", tokens) for i in range(n)]
+
+
+async def test_settlements_during_an_outage_are_replayed_when_redis_is_back(
+    gate: tuple[QuotaGate, GatewayMetrics], persistent_redis: RedisServer
+) -> None:
+    g, metrics = gate
+    t = tenant()
+    tickets = await admit_n(g, t, 4)  # the tenant's whole max_concurrent
+    assert (await g.shared.usage("a"))["in_flight"] == 4
+    persistent_redis.kill()
+    # The streams finish while Redis is down: two settled with real usage, two released.
+    await g.settle(tickets[0], 100)
+    await g.settle(tickets[1], 200)
+    await g.release(tickets[2], refund_all=True)
+    await g.release(tickets[3], refund_all=False)
+    assert g.deferred == 4
+    m = flat_metrics(generate_latest(metrics.registry).decode())
+    assert m["kvgate_quota_deferred_settlements"] == 4
+    assert m['kvgate_quota_store_circuit{state="closed"}'] == 0
+    assert m['kvgate_tenant_in_flight{tenant="a"}'] == 0  # the gateway's own view is right
+
+    persistent_redis.start()  # back with its data: four open reservations, four leases
+    # No request arrives: the replayer itself probes the store and drains the backlog.
+    await wait_for(lambda: g.deferred == 0)
+    assert (await g.shared.usage("a"))["in_flight"] == 0
+    assert sorted(await open_states(persistent_redis.url)) == ["settled"] * 4
+    m = flat_metrics(generate_latest(metrics.registry).decode())
+    assert m['kvgate_quota_deferred_settlements_outcomes_total{outcome="replayed"}'] == 4
+    assert m["kvgate_quota_deferred_settlements"] == 0
+    assert m['kvgate_quota_store_circuit{state="closed"}'] == 1
+    # The tokens charged are the real ones (100 + 200), not four whole reservations.
+    # Unreplayed, the four reservations (4,000) would still be charged.
+    tokens = (await g.shared.usage("a", t.limits))["tokens"]
+    assert tokens["remaining"] >= TPM - 300 - 5, tokens
+    # And the tenant can use its four slots again at once, not after lease expiry.
+    again = [await g.admit(t, f"after-{i}", "m", 10) for i in range(4)]
+    for x in again:
+        await g.settle(x, 10)
+
+
+async def test_a_redis_that_came_back_empty_takes_the_replay_harmlessly() -> None:
+    with RedisServer() as server:  # no persistence: a restart forgets everything
+        g, _ = make_gate(server.url)
+        try:
+            t = tenant()
+            tickets = await admit_n(g, t, 2)
+            server.kill()
+            for x in tickets:
+                await g.settle(x, 50)
+            assert g.deferred == 2
+            server.start()
+            await wait_for(lambda: g.deferred == 0)
+            # Unknown reservations: nothing charged, no lease created by the replay.
+            assert (await g.shared.usage("a"))["in_flight"] == 0
+            assert await open_states(server.url) == []
+        finally:
+            await g.close()
+
+
+async def test_the_backlog_is_bounded_and_the_oldest_fall_back_to_lease_expiry(
+    persistent_redis: RedisServer,
+) -> None:
+    g, metrics = make_gate(persistent_redis.url, max_deferred_settlements=2)
+    try:
+        t = tenant()
+        tickets = await admit_n(g, t, 3)
+        persistent_redis.kill()
+        for x in tickets:
+            await g.settle(x, 10)
+        assert g.deferred == 2
+        m = flat_metrics(generate_latest(metrics.registry).decode())
+        assert m['kvgate_quota_deferred_settlements_outcomes_total{outcome="dropped"}'] == 1
+        persistent_redis.start()
+        await wait_for(lambda: g.deferred == 0)
+        # The dropped one (the oldest) keeps its lease until it expires; the others are free.
+        assert (await g.shared.usage("a"))["in_flight"] == 1
+        assert sorted(await open_states(persistent_redis.url)) == ["open", "settled", "settled"]
+    finally:
+        await g.close()
