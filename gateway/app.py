@@ -188,6 +188,9 @@ class Gateway:
                 self.quota.shared.client,  # type: ignore[attr-defined]
                 s.quota.usage_stream,
                 s.quota.usage_stream_maxlen,
+                buffer_max=s.quota.usage_buffer_max,
+                buffered_gauge=self.metrics.usage_buffered,
+                dropped_counter=self.metrics.usage_dropped,
             )
         elif s.quota.usage_file:
             self.usage = JsonlSink(s.quota.usage_file)

@@ -304,6 +304,9 @@ class QuotaSettings(_Section):
     # Usage records (one per finished request): a Redis stream with the redis backend ...
     usage_stream: str = "kvgate:usage"
     usage_stream_maxlen: int = Field(100_000, ge=1)
+    # Records held in memory while the stream is unreachable (~0.5 KB each), written when it
+    # answers again; beyond it the oldest are dropped and counted.
+    usage_buffer_max: int = Field(100_000, ge=1)
     # ... or a JSONL file with the memory backend (empty = no records).
     usage_file: str = ""
 

@@ -115,6 +115,16 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.usage_buffered = Gauge(
+            "kvgate_usage_records_buffered",
+            "Usage records waiting for the Redis stream to answer again",
+            registry=r,
+        )
+        self.usage_dropped = Counter(
+            "kvgate_usage_records_dropped",
+            "Usage records lost because the buffer was full during a long Redis outage",
+            registry=r,
+        )
         self.inter_event = Histogram(
             "kvgate_inter_event_seconds",
             "Gaps between upstream SSE reads while streaming",

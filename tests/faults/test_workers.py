@@ -15,7 +15,14 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.faults.conftest import KEY_OPEN, MODEL, Stack, fault_settings
+from tests.faults.conftest import (
+    HEAP_LIMIT,
+    KEY_OPEN,
+    MODEL,
+    Stack,
+    fault_settings,
+    memory_watch,
+)
 from tests.gateway.conftest import run_gateway
 from workers.sim.testing import run_sim_workers
 
@@ -71,32 +78,38 @@ async def test_load_through_a_flapping_stalling_failing_fleet() -> None:
             while len(st.gw.registry.healthy()) < 3:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            fleet.workers[1].faults.update({"stall_after_tokens": 5})
-            fleet.workers[2].faults.update({"error_rate": 0.3, "error_status": 500})
-            fleet.workers[2].faults._rng = random.Random(7)
-            stop = asyncio.Event()
-            flapper = asyncio.create_task(_flap(fleet, stop))
-            sem = asyncio.Semaphore(6)
+            with memory_watch() as heap:
+                async with httpx.AsyncClient(timeout=30) as c:  # warm-up, no faults yet
+                    await asyncio.gather(*(_one(c, st.url, i) for i in range(-12, 0)))
+                await st.assert_quiescent(timeout=10)
+                heap.mark()
+                fleet.workers[1].faults.update({"stall_after_tokens": 5})
+                fleet.workers[2].faults.update({"error_rate": 0.3, "error_status": 500})
+                fleet.workers[2].faults._rng = random.Random(7)
+                stop = asyncio.Event()
+                flapper = asyncio.create_task(_flap(fleet, stop))
+                sem = asyncio.Semaphore(6)
 
-            async def bounded(c: httpx.AsyncClient, i: int) -> tuple[int, str]:
-                async with sem:
-                    return await _one(c, st.url, i)
+                async def bounded(c: httpx.AsyncClient, i: int) -> tuple[int, str]:
+                    async with sem:
+                        return await _one(c, st.url, i)
 
-            try:
-                async with httpx.AsyncClient(timeout=30) as c:
-                    results = await asyncio.gather(*(bounded(c, i) for i in range(60)))
-            finally:
-                stop.set()
-                await flapper
-            for w in fleet.workers:
-                w.faults.reset()
-            outcomes = Counter(results)
-            # Retries hide failures before the first byte; a stalled stream ends with an SSE
-            # error and [DONE]; a 503 only when no worker was routable at that instant.
-            assert {status for status, _ in outcomes} <= {200, 503}, outcomes
-            assert outcomes[(200, "done")] + outcomes[(200, "body")] >= 20, outcomes
-            await st.assert_quiescent(timeout=10)
-            m = st.metrics()
-            assert m.get('kvgate_stream_errors_total{reason="idle_timeout"}', 0) >= 1, outcomes
-            retried = sum(v for k, v in m.items() if k.startswith("kvgate_retries_total"))
-            assert retried >= 1, outcomes  # the failing worker's 500s went to another worker
+                try:
+                    async with httpx.AsyncClient(timeout=30) as c:
+                        results = await asyncio.gather(*(bounded(c, i) for i in range(60)))
+                finally:
+                    stop.set()
+                    await flapper
+                for w in fleet.workers:
+                    w.faults.reset()
+                outcomes = Counter(results)
+                # Retries hide failures before the first byte; a stalled stream ends with an SSE
+                # error and [DONE]; a 503 only when no worker was routable at that instant.
+                assert {status for status, _ in outcomes} <= {200, 503}, outcomes
+                assert outcomes[(200, "done")] + outcomes[(200, "body")] >= 20, outcomes
+                await st.assert_quiescent(timeout=10)
+                m = st.metrics()
+                assert m.get('kvgate_stream_errors_total{reason="idle_timeout"}', 0) >= 1, outcomes
+                retried = sum(v for k, v in m.items() if k.startswith("kvgate_retries_total"))
+                assert retried >= 1, outcomes  # the failing worker's 500s went to another worker
+                heap.assert_near_baseline(HEAP_LIMIT)

@@ -1,0 +1,74 @@
+"""The Redis usage-record sink across an outage: records are buffered in order, bounded, and
+written when Redis answers again. A real redis-server, killed and restarted on its port."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from gateway.redis_server import RedisServer
+from gateway.usage import RedisStreamSink
+
+
+async def wait_empty(sink: RedisStreamSink, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sink.buffered:
+        assert time.monotonic() < deadline, "buffer never flushed"
+        await asyncio.sleep(0.02)
+
+
+async def ids(client: aioredis.Redis, stream: str) -> list[str]:
+    return [e[b"request_id"].decode() for _, e in await client.xrange(stream)]
+
+
+async def test_records_written_during_an_outage_arrive_in_order_after_it() -> None:
+    with RedisServer() as server:
+        client = aioredis.from_url(server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        sink = RedisStreamSink(client, "usage", 1000, retry_s=0.05)
+        try:
+            await sink.write({"request_id": "a", "tokens": 1, "worker": None})
+            server.kill()
+            for rid in ("b", "c", "d"):
+                await sink.write({"request_id": rid, "tokens": 2})
+            assert sink.buffered == 3
+            server.start()  # empty: no persistence
+            await sink.write({"request_id": "e", "tokens": 3})  # queued behind the backlog
+            await wait_empty(sink)
+            assert await ids(client, "usage") == ["b", "c", "d", "e"]
+            rec = (await client.xrange("usage"))[0][1]
+            assert rec == {b"request_id": b"b", b"tokens": b"2"}
+            assert sink.dropped == 0
+        finally:
+            await sink.close()
+            await client.aclose()
+
+
+async def test_the_buffer_is_bounded_and_drops_the_oldest() -> None:
+    with RedisServer() as server:
+        client = aioredis.from_url(server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        sink = RedisStreamSink(client, "usage", 1000, buffer_max=2, retry_s=0.05)
+        try:
+            server.kill()
+            for rid in ("a", "b", "c"):
+                await sink.write({"request_id": rid})
+            assert (sink.buffered, sink.dropped) == (2, 1)
+            server.start()
+            await wait_empty(sink)
+            assert await ids(client, "usage") == ["b", "c"]
+        finally:
+            await sink.close()
+            await client.aclose()
+
+
+async def test_close_writes_what_it_can_and_stops_the_flusher() -> None:
+    with RedisServer() as server:
+        client = aioredis.from_url(server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        sink = RedisStreamSink(client, "usage", 1000, retry_s=60)  # the flusher would wait
+        server.kill()
+        await sink.write({"request_id": "a"})
+        server.start()
+        await sink.close()  # flushes once on the way out
+        assert await ids(client, "usage") == ["a"]
+        await client.aclose()
