@@ -58,7 +58,7 @@ from bench.traces import (
 )
 from scoring.policy import RouteRequest, RoutingState, WorkerView, make_policy, route_request
 from scoring.precise import PreciseIndex
-from scoring.prefix import block_keys, seed_for
+from scoring.prefix import block_keys, chain_hashes_tokens, seed_for, tail_layout
 from scoring.views import RoutingOptions, Weights
 from workers.sim.engine import Engine, EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
@@ -203,9 +203,13 @@ class PolicyRouter:
         keys: str,
         trace_block: int,
     ) -> None:
-        self.options = spec.routing_options(trace_block, keys)
-        self.now = 0.0
         self.precise = PreciseIndex() if spec.name == PRECISE else None
+        # Precise runs key requests as the gateway's token mode does (engine blocks), so their
+        # options are the gateway's, not the trace-block ones.
+        self.options = spec.routing_options(
+            trace_block, "gateway" if self.precise is not None else keys
+        )
+        self.now = 0.0
         self.policy = make_policy(
             "kv_aware" if self.precise is not None else spec.name,
             weights=Weights(**dict(spec.weights)) if spec.weights else None,
@@ -264,15 +268,32 @@ class PolicyRouter:
     def route_key(self, arrival: Arrival) -> RouteRequest:
         req = self.requests[arrival.request.request_id]
         if self.precise is not None:
+            # What the gateway's token mode builds (scoring.token_mode.TokenKeyer.key + with_key):
+            # the dense-head-and-tail chain for the approximate index (its dispatch history
+            # still feeds the kv signal's index fill) and one key per engine block for the
+            # precise index.
             ids = arrival.request.prompt_token_ids
-            bs = self.block_size
+            bs, o = self.block_size, self.options
+            chain = chain_hashes_tokens(
+                ids,
+                block_size=bs,
+                seed=self.root,
+                max_blocks=o.max_blocks,
+                tail_ratio=o.tail_ratio,
+                tail_blocks=o.tail_blocks,
+            )
+            ends = tail_layout(o.max_blocks, o.tail_ratio, o.tail_blocks) if o.tail_ratio else ()
+            n_blocks = min(len(ids) // bs, o.precise_max_blocks)
             return RouteRequest(
                 model=MODEL,
                 request_id=req.request_id,
+                chain=tuple(chain),
                 block_tokens=float(bs),
                 prompt_tokens=req.input_length,
                 session_id=req.session_id,
-                block_chain=tuple(block_keys(ids, bs, MODEL, "", len(ids) // bs)),
+                dense_blocks=o.max_blocks,
+                tail_ends=ends,
+                block_chain=tuple(block_keys(ids, bs, MODEL, "", n_blocks)),
             )
         if self.keys == "gateway":
             body = {"model": MODEL, "prompt": arrival.request.prompt_token_ids}

@@ -131,8 +131,9 @@ class RedisStreamSink:
             for fields in batch:
                 pipe.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
             await pipe.execute()
-            for _ in batch:
-                self._buf.popleft()
+            for fields in batch:  # by identity: a full buffer may have dropped some meanwhile
+                if self._buf and self._buf[0] is fields:
+                    self._buf.popleft()
             self._export()
 
     async def close(self) -> None:

@@ -174,10 +174,9 @@ def test_ties_are_spread_at_random_not_by_position() -> None:
 
 def test_saturated_workers_are_excluded_while_any_worker_has_room() -> None:
     p = KVAware(rng=random.Random(0))
-    warm(p, "hot", chat("x"))
     warm(p, "busy", chat("x"))
     views = [
-        WorkerView("hot", kv_usage=0.95, in_flight_at_scrape=0),  # KV nearly full, holds the prefix
+        WorkerView("full", kv_usage=0.95, in_flight_at_scrape=0),  # KV nearly full, holds nothing
         WorkerView("busy", waiting=9, in_flight_at_scrape=0),  # long queue, holds the prefix
         WorkerView("cold", kv_usage=0.7, running=20, in_flight_at_scrape=0),
     ]
@@ -186,7 +185,25 @@ def test_saturated_workers_are_excluded_while_any_worker_has_room() -> None:
         assert d.worker.name == "cold" and not d.saturated and d.reason == "load_fallback"
     all_full = [views[0], views[1], WorkerView("cold", kv_usage=0.99, in_flight_at_scrape=0)]
     d = p.choose(all_full, key(p, chat("y")))
-    assert d.saturated and d.worker.name in ("hot", "busy")
+    assert d.saturated and d.worker.name in ("full", "busy")
+
+
+def test_a_holder_saturated_on_kv_only_keeps_its_prefix() -> None:
+    # The request adds only its uncached tail to the holder's KV; a cold worker would have to
+    # prefill (and store) the whole prompt.
+    p = KVAware(rng=random.Random(0))
+    warm(p, "hot", chat("x"))
+    views = [
+        WorkerView("hot", kv_usage=0.95, in_flight_at_scrape=0),
+        WorkerView("cold", kv_usage=0.5, in_flight_at_scrape=0),
+    ]
+    for _ in range(20):
+        d = p.choose(views, key(p, chat("y")))
+        assert d.worker.name == "hot" and d.reason == "affinity" and not d.saturated
+    # The same holder with a long queue is left out while another worker has room.
+    queued = [WorkerView("hot", kv_usage=0.95, waiting=9, in_flight_at_scrape=0), views[1]]
+    d = p.choose(queued, key(p, chat("y")))
+    assert d.worker.name == "cold" and d.reason == "load_fallback"
 
 
 def test_tenant_priority_buys_a_shorter_queue_at_the_cost_of_kv_headroom() -> None:
