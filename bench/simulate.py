@@ -190,8 +190,10 @@ class PolicyRouter:
     `kv_aware_precise` is `kv_aware` over the precise index fed by the engines' own KV events
     (what the gateway does with vLLM's), drained before every decision: the events of every step
     simulated so far, so the index lags the engines exactly as it lags vLLM (blocks appear after
-    their prefill step). Requests are keyed per engine block from their token ids, as token mode
-    keys them, instead of by trace blocks.
+    their prefill step). Requests are keyed from their token ids as the gateway's token mode keys
+    them, instead of by trace blocks: one key per engine block for the precise index, and the
+    dense-head-and-tail chain the approximate index records dispatches under (its fill is part of
+    the kv signal; leaving it out made one worker of eight a hot spot under eviction pressure).
     """
 
     def __init__(
