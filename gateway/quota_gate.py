@@ -99,6 +99,7 @@ class QuotaGate:
         )
         self._deferred: OrderedDict[str, _Deferred] = OrderedDict()
         self._replayer: asyncio.Task[None] | None = None
+        self._dropped = 0
         self._export_mode()
 
     def _transition(self, old: BreakerState, new: BreakerState) -> None:
@@ -237,10 +238,15 @@ class QuotaGate:
         while len(self._deferred) > self.cfg.max_deferred_settlements:
             _, old = self._deferred.popitem(last=False)
             m.quota_deferred.labels("dropped").inc()
-            log.warning(
-                "settlement of %s dropped (backlog full): its lease expires by age",
-                old.ticket.request_id,
-            )
+            self._dropped += 1
+            if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:  # not one line each
+                log.error(
+                    "settlement backlog full (%d): %d dropped so far, latest %s; their leases "
+                    "expire by age",
+                    self.cfg.max_deferred_settlements,
+                    self._dropped,
+                    old.ticket.request_id,
+                )
         m.quota_deferred_pending.set(len(self._deferred))
         if self._replayer is None or self._replayer.done():
             self._replayer = asyncio.get_running_loop().create_task(self._replay_loop())
@@ -263,7 +269,7 @@ class QuotaGate:
                 self.breaker.record_failure(time.monotonic())
                 return
             self.breaker.record_success(time.monotonic())
-            # A settle of the same id may have been deferred again meanwhile: pop by identity.
+            # By identity: the id may have been deferred anew while this call ran.
             if self._deferred.get(rid) is d:
                 del self._deferred[rid]
             m.quota_deferred.labels("replayed").inc()
