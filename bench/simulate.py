@@ -204,68 +204,93 @@ class PolicyRouter:
         seed: int,
         keys: str,
         trace_block: int,
+        replicas: int = 1,
     ) -> None:
-        self.precise = PreciseIndex() if spec.name == PRECISE else None
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        precise = spec.name == PRECISE
         # Precise runs key requests as the gateway's token mode does (engine blocks), so their
         # options are the gateway's, not the trace-block ones.
-        self.options = spec.routing_options(
-            trace_block, "gateway" if self.precise is not None else keys
-        )
+        self.options = spec.routing_options(trace_block, "gateway" if precise else keys)
         self.now = 0.0
-        self.policy = make_policy(
-            "kv_aware" if self.precise is not None else spec.name,
-            weights=Weights(**dict(spec.weights)) if spec.weights else None,
-            options=self.options,
-            rng=random.Random(seed),
-            state=RoutingState(self.options, self.precise) if self.precise is not None else None,
-            clock=lambda: self.now,
-        )
+        self.names = [f"w{i}" for i in range(workers)]
+        # One policy per gateway replica, each learning only from its own dispatches; with
+        # events, each has its own precise index fed every engine's events (what replicas
+        # subscribed to the same workers see).
+        self.precises: list[PreciseIndex | None] = [
+            PreciseIndex() if precise else None for _ in range(replicas)
+        ]
+        self.policies = [
+            make_policy(
+                "kv_aware" if idx is not None else spec.name,
+                weights=Weights(**dict(spec.weights)) if spec.weights else None,
+                options=self.options,
+                rng=random.Random(seed + 7919 * r),
+                state=RoutingState(self.options, idx) if idx is not None else None,
+                clock=lambda: self.now,
+            )
+            for r, idx in enumerate(self.precises)
+        ]
+        for idx in self.precises:
+            for n in self.names if idx is not None else ():
+                idx.set_live(n, True)
+        self.precise = self.precises[0]
+        self.policy = self.policies[0]
+        self._spread = random.Random(seed ^ 0x5EED)  # which replica an arrival reaches
         self.requests = requests
         self.keys = keys
-        self.names = [f"w{i}" for i in range(workers)]
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.prefill = [0] * workers
+        self.prefills = [[0] * workers for _ in range(replicas)]
         self.awaiting = [0] * workers  # requests per worker still before their first token
-        self.pending: dict[str, tuple[int, int]] = {}
+        self.pending: dict[str, tuple[int, int, int]] = {}  # id -> (replica, worker, tokens)
         self.reasons: Counter[str] = Counter()
         self.engines: Sequence[Engine] = ()
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
         self.block_size = 16
         self.root = seed_for(MODEL, "", "")
-        if self.precise is not None:
-            for n in self.names:
-                self.precise.set_live(n, True)
+
+    @property
+    def prefill(self) -> list[int]:
+        """Uncached prompt tokens dispatched per worker and not yet at a first token (all
+        replicas)."""
+        return [sum(col) for col in zip(*self.prefills, strict=True)]
 
     def attach(self, engines: Sequence[Engine], block_size: int) -> None:
         self.engines = engines
         self.block_size = block_size
 
     def _drain_events(self) -> None:
-        """Apply the KV events every engine published since the last decision."""
-        idx = self.precise
-        assert idx is not None
+        """Apply the KV events every engine published since the last decision, to every
+        replica's index."""
         now, bs, root = self.now, self.block_size, self.root
         for name, engine in zip(self.names, self.engines, strict=True):
             events = engine.take_kv_events()
-            if not events:
-                continue
-            idx.touch(name, now)
-            for ev in events:
-                if ev.kind == "BlockStored":
-                    idx.stored(
-                        name,
-                        ev.block_hashes,
-                        ev.parent_block_hash,
-                        ev.token_ids,
-                        bs,
-                        root,
-                        "GPU",
-                        now,
-                    )
-                elif ev.kind == "BlockRemoved":
-                    idx.removed(name, ev.block_hashes, None, now)
-                else:
-                    idx.clear(name)
+            if events:
+                for idx in self.precises:
+                    assert idx is not None
+                    self._apply_events(idx, name, events, now, bs, root)
+
+    @staticmethod
+    def _apply_events(
+        idx: PreciseIndex, name: str, events: Sequence[Any], now: float, bs: int, root: int
+    ) -> None:
+        idx.touch(name, now)
+        for ev in events:
+            if ev.kind == "BlockStored":
+                idx.stored(
+                    name,
+                    ev.block_hashes,
+                    ev.parent_block_hash,
+                    ev.token_ids,
+                    bs,
+                    root,
+                    "GPU",
+                    now,
+                )
+            elif ev.kind == "BlockRemoved":
+                idx.removed(name, ev.block_hashes, None, now)
+            else:
+                idx.clear(name)
 
     def route_key(self, arrival: Arrival) -> RouteRequest:
         req = self.requests[arrival.request.request_id]
@@ -322,7 +347,9 @@ class PolicyRouter:
         self.now = fleet.now
         if self.precise is not None:
             self._drain_events()
-        prefill = self.prefill
+        r = self._spread.randrange(len(self.policies)) if len(self.policies) > 1 else 0
+        policy = self.policies[r]
+        prefill = self.prefills[r]
         views = [
             WorkerView(
                 name=self.names[s.index],
@@ -337,26 +364,26 @@ class PolicyRouter:
             for s in fleet.engines
         ]
         route = self.route_key(arrival)
-        decision = self.policy.choose(views, route)
+        decision = policy.choose(views, route)
         name = decision.worker.name
-        self.policy.on_dispatch(name, route)
+        policy.on_dispatch(name, route)
         w = self.index[name]
         self.reasons[decision.reason] += 1
         tokens = decision.prefill_tokens
         prefill[w] += tokens
         self.awaiting[w] += 1
-        self.pending[arrival.request.request_id] = (w, tokens)
+        self.pending[arrival.request.request_id] = (r, w, tokens)
         if self.precise is not None:
             self.routes[arrival.request.request_id] = route
         return w
 
     def first_token(self, request_id: str) -> None:
-        w, tokens = self.pending.pop(request_id)
-        self.prefill[w] -= tokens
+        r, w, tokens = self.pending.pop(request_id)
+        self.prefills[r][w] -= tokens
         self.awaiting[w] -= 1
         route = self.routes.pop(request_id, None)
         if route is not None:
-            self.policy.on_prefill_done(self.names[w], route)
+            self.policies[r].on_prefill_done(self.names[w], route)
 
 
 class ObservedFleet(VirtualFleet):
@@ -408,8 +435,12 @@ def simulate_policy(
     pooled_rate: float | None = None,
     progress: Callable[[int], None] | None = None,
     keep_samples: bool = False,
+    replicas: int = 1,
 ) -> dict[str, Any]:
-    """Replay `trace` through `spec` onto a fresh `fleet`; the per-policy summary (seconds)."""
+    """Replay `trace` through `spec` onto a fresh `fleet`; the per-policy summary (seconds).
+
+    `replicas` gateways share the traffic at random, each with its own learned state (see
+    PolicyRouter)."""
     reqs = trace.requests
     if not reqs:
         raise ValueError("empty trace")
@@ -417,7 +448,13 @@ def simulate_policy(
     if longest > fleet.max_model_len:
         fleet = FleetSpec(**{**fleet.to_json(), "max_model_len": longest})
     router = PolicyRouter(
-        spec, {r.request_id: r for r in reqs}, fleet.workers, seed, keys, trace.block_size
+        spec,
+        {r.request_id: r for r in reqs},
+        fleet.workers,
+        seed,
+        keys,
+        trace.block_size,
+        replicas=replicas,
     )
     engines = fleet.engines(kv_events=router.precise is not None)
     router.attach(engines, fleet.block_size)
@@ -434,6 +471,7 @@ def simulate_policy(
     out["hit_vs_pooled_bound"] = out["hit_rate"] / pooled_rate if pooled_rate else None
     out.update(wall_s=round(wall, 3), cpu_s=round(cpu, 3), steps=result.num_steps)
     out["preemptions"] = sum(e.stats().num_preemptions for e in engines)
+    out["replicas"] = replicas
     if keep_samples:
         out["samples"] = {
             "ttft": [r.ttft for r in result.results],
@@ -529,6 +567,7 @@ class RunContext:
     bound_rate: float | None = None
     pooled_rate: float | None = None
     keep_samples: bool = False
+    replicas: int = 1
 
 
 _CTX: RunContext | None = None  # inherited by forked children: the trace is never pickled
@@ -547,6 +586,7 @@ def _run_task(ctx: RunContext, task: SimTask, progress: Callable[[int], None] | 
         pooled_rate=ctx.pooled_rate,
         progress=progress,
         keep_samples=ctx.keep_samples,
+        replicas=ctx.replicas,
     )
     out["time_scale"] = task.time_scale
     return out
@@ -644,7 +684,8 @@ def report_table(report: dict[str, Any]) -> Table:
     tr, fl = report["trace"], report["fleet"]
     caption = (
         f"trace {tr['describe']} | time scale x{report['time_scale']:g} | fleet "
-        f"{report['fleet_describe']} | keys {report['keys']} | seed {report['seed']} | "
+        f"{report['fleet_describe']} | keys {report['keys']} | gateway replicas "
+        f"{report.get('replicas', 1)} | seed {report['seed']} | "
         f"goodput SLO {report['slo_describe']} | bound (infinite cache) "
         f"{tr['bound']['token_hit_rate']:.1%} of prompt tokens, "
         f"{tr['bound']['block_hit_rate']:.1%} of blocks; pooled fleet cache (LRU, "
@@ -836,6 +877,7 @@ def build_report(
         "fleet": ctx.fleet.to_json(),
         "fleet_describe": ctx.fleet.describe(),
         "keys": ctx.keys,
+        "replicas": ctx.replicas,
         "seed": ctx.seed,
         "slo": ctx.slo.to_json(),
         "slo_describe": ctx.slo.describe(),
@@ -850,6 +892,13 @@ def main(argv: list[str] | None = None) -> int:
     add_trace_args(p)
     add_fleet_args(p)
     add_policy_args(p)
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="gateway replicas sharing the traffic at random, each learning only from its own "
+        "dispatches (kv_aware_precise: each also fed every worker's KV events)",
+    )
     g = p.add_argument_group("load and output")
     g.add_argument("--time-scale", type=float, default=None, help="x arrival times (0.5 = 2x rate)")
     g.add_argument("--rate-scale", type=float, default=None, help="x request rate (= 1/time-scale)")
@@ -868,6 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         keys=args.keys,
         slo=slo_from_args(args),
+        replicas=args.replicas,
     )
     ctx.bound_rate = cache_bound(trace.requests).token_hit_rate
     ctx.pooled_rate = cache_bound(trace.requests, ctx.fleet.capacity_tokens).token_hit_rate

@@ -156,3 +156,28 @@ def test_capacity_search_never_passes_and_unfinished_fails() -> None:
         s.record(r, _fake(0.01, r), passes(_fake(0.01, r), obj))
     assert s.answer_scale is None and len(s.probes) == 4  # 1, 1/2, 1/4, 1/8
     assert not passes({"requests": 2, "completed": 1, "ttft": {"p95": 0.1}}, obj)
+
+
+def test_replicas_split_what_the_approximate_index_learns_but_not_the_kv_events() -> None:
+    # 8 system prompts x 4 users on 4 workers. One gateway sees every dispatch; four replicas
+    # each see a quarter, so the approximate index scatters prefixes, while every replica reads
+    # the same KV events and keeps them together.
+    spec = SyntheticSpec(
+        groups=8, users=4, system_tokens=1024, question_tokens=64, output_tokens=8,
+        rate=20.0, num_requests=240, block_size=16, seed=3,
+    )  # fmt: skip
+    fleet = FleetSpec(workers=4, num_blocks=400, block_size=16, max_model_len=4096)
+    trace = synthetic(spec)
+
+    def hit(name: str, replicas: int) -> float:
+        out = simulate_policy(
+            trace, PolicySpec.parse(name), fleet, keys="gateway", replicas=replicas
+        )
+        assert out["replicas"] == replicas and out["requests"] == 240
+        return float(out["hit_rate"])
+
+    one = hit("kv_aware", 1)
+    assert hit("kv_aware", 4) < one - 0.03
+    assert hit("kv_aware_precise", 4) >= one - 0.01
+    with pytest.raises(ValueError):
+        hit("kv_aware", 0)
