@@ -194,6 +194,11 @@ class PolicyRouter:
     them, instead of by trace blocks: one key per engine block for the precise index, and the
     dense-head-and-tail chain the approximate index records dispatches under (its fill is part of
     the kv signal; leaving it out made one worker of eight a hot spot under eviction pressure).
+
+    With `replicas` > 1, arrivals reach one of several gateway replicas at random, each with its
+    own policy state (approximate index, sessions, pending dispatches, prefill bookkeeping), as
+    replicas behind a load balancer have; worker load is read from the engines by all alike (an
+    instant scrape). With events, every replica's precise index is fed every engine's events.
     """
 
     def __init__(
