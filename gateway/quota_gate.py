@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +98,7 @@ class QuotaGate:
             on_transition=self._transition,
         )
         self._deferred: OrderedDict[str, _Deferred] = OrderedDict()
+        self._deferred_of: Counter[str] = Counter()  # entries per tenant
         self._replayer: asyncio.Task[None] | None = None
         self._dropped = 0
         self._export_mode()
@@ -138,6 +139,8 @@ class QuotaGate:
         now = time.monotonic()
         if self.breaker.allow(now):
             try:
+                if self._deferred_of.get(tenant.name):
+                    await self._replay_tenant(tenant.name)
                 adm = await self.shared.admit(res)
                 self.breaker.record_success(time.monotonic())
             except QuotaStoreUnavailable as e:
@@ -230,13 +233,18 @@ class QuotaGate:
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
         m = self.metrics
+        prev = self._deferred.get(d.ticket.request_id)
+        if prev is not None:
+            self._deferred_of[prev.ticket.tenant.name] -= 1
         self._deferred[d.ticket.request_id] = d
+        self._deferred_of[d.ticket.tenant.name] += 1
         if err is not None:
             log.warning(
                 "settlement of %s deferred until the store answers: %s", d.ticket.request_id, err
             )
         while len(self._deferred) > self.cfg.max_deferred_settlements:
             _, old = self._deferred.popitem(last=False)
+            self._deferred_of[old.ticket.tenant.name] -= 1
             m.quota_deferred.labels("dropped").inc()
             self._dropped += 1
             if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:  # not one line each
@@ -260,7 +268,6 @@ class QuotaGate:
                 await self._replay_deferred()
 
     async def _replay_deferred(self) -> None:
-        m = self.metrics
         while self._deferred:
             rid, d = next(iter(self._deferred.items()))
             try:
@@ -269,11 +276,24 @@ class QuotaGate:
                 self.breaker.record_failure(time.monotonic())
                 return
             self.breaker.record_success(time.monotonic())
-            # By identity: the id may have been deferred anew while this call ran.
-            if self._deferred.get(rid) is d:
-                del self._deferred[rid]
-            m.quota_deferred.labels("replayed").inc()
-            m.quota_deferred_pending.set(len(self._deferred))
+            self._replayed(rid, d)
+
+    async def _replay_tenant(self, tenant: str) -> None:
+        """Settle a tenant's backlog before its next admission: otherwise the leases of its
+        requests that finished during the outage still count against its `max_concurrent`
+        (a fault test saw a 429 right after Redis came back). Raises QuotaStoreUnavailable."""
+        for rid, d in [(k, v) for k, v in self._deferred.items() if v.ticket.tenant.name == tenant]:
+            await self._apply(d)
+            self._replayed(rid, d)
+
+    def _replayed(self, rid: str, d: _Deferred) -> None:
+        # By identity: the id may have been deferred anew while the call ran.
+        if self._deferred.get(rid) is d:
+            del self._deferred[rid]
+            self._deferred_of[d.ticket.tenant.name] -= 1
+        m = self.metrics
+        m.quota_deferred.labels("replayed").inc()
+        m.quota_deferred_pending.set(len(self._deferred))
 
 
 def _refusal(adm: Admission, model: str, tokens: int) -> APIError:
