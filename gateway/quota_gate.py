@@ -185,7 +185,7 @@ class QuotaGate:
         if t.store is None:
             return
         m.child(m.tenant_in_flight, t.tenant.name).dec()
-        await self._finish(_Deferred(t, actual_tokens, False))
+        await self._finish(t, actual_tokens, False)
 
     async def release(self, t: Ticket, *, refund_all: bool) -> None:
         """Nothing was generated: refund the tokens (and the request when it was not the client's
@@ -198,7 +198,7 @@ class QuotaGate:
         if t.store is None:
             return
         m.child(m.tenant_in_flight, t.tenant.name).dec()
-        await self._finish(_Deferred(t, None, refund_all))
+        await self._finish(t, None, refund_all)
 
     # -- settlements the store could not take ----------------------------------------------------
     @property
@@ -206,30 +206,18 @@ class QuotaGate:
         """Settlements waiting for the store to come back."""
         return len(self._deferred)
 
-    async def _finish(self, d: _Deferred) -> None:
+    async def _finish(self, t: Ticket, actual: int | None, refund_all: bool) -> None:
+        """Settle (`actual` set) or release `t` on its store, or defer it while that is down."""
         # While the circuit is open the store is known to be down: queue without a doomed call
         # (each would cost a socket timeout on a black-holed Redis).
-        if d.ticket.store is self.shared and not self._store_open():
-            self._defer(d, None)
+        if t.store is self.shared and self.breaker.state is not BreakerState.CLOSED:
+            self._defer(_Deferred(t, actual, refund_all), None)
             return
         try:
-            await self._apply(d)
+            await _apply(t, actual, refund_all)
         except QuotaStoreUnavailable as e:
             self.breaker.record_failure(time.monotonic())
-            self._defer(d, e)
-
-    def _store_open(self) -> bool:
-        return self.breaker.state is BreakerState.CLOSED
-
-    async def _apply(self, d: _Deferred) -> None:
-        t = d.ticket
-        assert t.store is not None
-        if d.actual is not None:
-            await t.store.settle(t.tenant.name, t.request_id, d.actual, limits=t.tenant.limits)
-        else:
-            await t.store.release(
-                t.tenant.name, t.request_id, limits=t.tenant.limits, refund_all=d.refund_all
-            )
+            self._defer(_Deferred(t, actual, refund_all), e)
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
         m = self.metrics
@@ -271,7 +259,7 @@ class QuotaGate:
         while self._deferred:
             rid, d = next(iter(self._deferred.items()))
             try:
-                await self._apply(d)
+                await _apply(d.ticket, d.actual, d.refund_all)
             except QuotaStoreUnavailable:
                 self.breaker.record_failure(time.monotonic())
                 return
@@ -283,7 +271,7 @@ class QuotaGate:
         requests that finished during the outage still count against its `max_concurrent`
         (a fault test saw a 429 right after Redis came back). Raises QuotaStoreUnavailable."""
         for rid, d in [(k, v) for k, v in self._deferred.items() if v.ticket.tenant.name == tenant]:
-            await self._apply(d)
+            await _apply(d.ticket, d.actual, d.refund_all)
             self._replayed(rid, d)
 
     def _replayed(self, rid: str, d: _Deferred) -> None:
@@ -294,6 +282,16 @@ class QuotaGate:
         m = self.metrics
         m.quota_deferred.labels("replayed").inc()
         m.quota_deferred_pending.set(len(self._deferred))
+
+
+async def _apply(t: Ticket, actual: int | None, refund_all: bool) -> None:
+    assert t.store is not None
+    if actual is not None:
+        await t.store.settle(t.tenant.name, t.request_id, actual, limits=t.tenant.limits)
+    else:
+        await t.store.release(
+            t.tenant.name, t.request_id, limits=t.tenant.limits, refund_all=refund_all
+        )
 
 
 def _refusal(adm: Admission, model: str, tokens: int) -> APIError:

@@ -447,14 +447,15 @@ class KVAware(_Learning):
         wait = (backlog / o.prefill_tokens_per_s + run * o.decode_s_per_running) / weight
         cap = w.num_blocks * w.block_size if w.num_blocks and w.block_size else 0
         kv = w.kv_usage + (w.sent_tokens_since_scrape / cap if cap else 0.0)
+        qsat = q >= o.saturation_waiting
         return (
             w,
             wait,
             wait / (wait + o.queue_horizon_s) if wait > 0 else 0.0,
             kv,
             1.0 / cap if cap else 0.0,
-            q >= o.saturation_waiting or kv >= o.saturation_kv,
-            q >= o.saturation_waiting,
+            qsat or kv >= o.saturation_kv,
+            qsat,
         )
 
     def _scan(

@@ -84,6 +84,16 @@ async def admit_n(g: QuotaGate, t: Tenant, n: int, tokens: int = 1000) -> list[T
     return [await g.admit(t, f"req-{i}", "m", tokens) for i in range(n)]
 
 
+async def finish_during_an_outage(
+    g: QuotaGate, server: RedisServer, t: Tenant, n: int, actual: int
+) -> None:
+    """n requests admitted, Redis killed, all n settled with `actual` tokens while it is down."""
+    tickets = await admit_n(g, t, n)
+    server.kill()
+    for x in tickets:
+        await g.settle(x, actual)
+
+
 async def test_settlements_during_an_outage_are_replayed_when_redis_is_back(
     gate: tuple[QuotaGate, GatewayMetrics], persistent_redis: RedisServer
 ) -> None:
@@ -126,11 +136,7 @@ async def test_a_redis_that_came_back_empty_takes_the_replay_harmlessly() -> Non
     with RedisServer() as server:  # no persistence: a restart forgets everything
         g, _ = make_gate(server.url)
         try:
-            t = tenant()
-            tickets = await admit_n(g, t, 2)
-            server.kill()
-            for x in tickets:
-                await g.settle(x, 50)
+            await finish_during_an_outage(g, server, tenant(), 2, 50)
             assert g.deferred == 2
             server.start()
             await wait_for(lambda: g.deferred == 0)
@@ -146,11 +152,7 @@ async def test_the_backlog_is_bounded_and_the_oldest_fall_back_to_lease_expiry(
 ) -> None:
     g, metrics = make_gate(persistent_redis.url, max_deferred_settlements=2)
     try:
-        t = tenant()
-        tickets = await admit_n(g, t, 3)
-        persistent_redis.kill()
-        for x in tickets:
-            await g.settle(x, 10)
+        await finish_during_an_outage(g, persistent_redis, tenant(), 3, 10)
         assert g.deferred == 2
         m = flat_metrics(generate_latest(metrics.registry).decode())
         assert m['kvgate_quota_deferred_settlements_outcomes_total{outcome="dropped"}'] == 1
@@ -172,10 +174,7 @@ async def test_a_tenants_backlog_is_settled_before_its_next_admission(
     # The replayer then sleeps 1 s between tries: this admission comes before it wakes.
     g.cfg = g.cfg.model_copy(update={"breaker_cooldown_s": 60.0})
     t = tenant()
-    tickets = await admit_n(g, t, 4)  # at max_concurrent
-    persistent_redis.kill()
-    for x in tickets:
-        await g.settle(x, 10)
+    await finish_during_an_outage(g, persistent_redis, t, 4, 10)  # 4 = max_concurrent
     assert g.deferred == 4
     persistent_redis.start()
     g.breaker.record_success(time.monotonic())  # as a successful probe would
