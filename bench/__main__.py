@@ -1,38 +1,70 @@
-"""`python -m bench <tool> ...`: one entry point for the bench tools (what `kvgate bench` calls).
+"""`python -m bench TOOL ...`: one entry point for the bench tools (what `kvgate bench` calls).
 
-python -m bench simulate --trace ../shared/traces/mooncake/synthetic_trace.jsonl --workers 8
-python -m bench capacity --slo-ttft-p95 2 --slo-tpot-p95 0.1
-python -m bench replay --url http://127.0.0.1:8000 --trace my_trace.jsonl
-python -m bench compare
-python -m bench traces info ../shared/traces/azure/AzureLLMInferenceTrace_code.csv
-python -m bench spike                      # overload: 5x capacity, admission on vs off
-python -m bench soak --duration 600        # 80% of capacity for 10 min: RSS, drift, leftovers
+`kvgate bench --help` lists the tools; `kvgate bench TOOL --help` shows a tool's options.
+Sample traces ship in bench/data/traces/; outputs go to bench/out/ (git-ignored).
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import TextIO
 
-TOOLS = {
-    "traces": "bench.traces",
-    "simulate": "bench.simulate",
-    "capacity": "bench.capacity",
-    "replay": "bench.replay",
-    "compare": "bench.compare",
-    "spike": "bench.spike",
-    "soak": "bench.soak",
+PROG = "kvgate bench"
+
+# name -> (module, one line). The one-liners live here, not in the modules' docstrings, so that
+# listing the tools imports none of them (simulate pulls in numpy and the scoring core).
+TOOLS: dict[str, tuple[str, str]] = {
+    "traces": ("bench.traces", "convert a trace to the normalized schema; info: rate, bound"),
+    "simulate": ("bench.simulate", "policies x trace x simulated fleet on a virtual clock"),
+    "capacity": ("bench.capacity", "highest request rate a fleet holds within SLOs, per policy"),
+    "replay": ("bench.replay", "open-loop HTTP replay of a trace against any OpenAI-style URL"),
+    "compare": ("bench.compare", "kvgate policies vs peer routers on one local simulated fleet"),
+    "spike": ("bench.spike", "overload: a spike to 5x capacity, admission on vs off"),
+    "soak": ("bench.soak", "80% of capacity for 10 min: RSS growth, latency drift, leftovers"),
+    "overhead": ("bench.overhead", "latency kvgate adds, relay capacity, quotas on vs off"),
+    "routing_speed": ("bench.routing_speed", "routing decision time per fleet size and prompt"),
+    "quota_speed": ("bench.quota_speed", "cost of a quota check (memory and Redis stores)"),
+    "sim_speed": ("bench.sim_speed", "how fast the virtual clock replays a whole trace"),
+    "sim_capacity": ("bench.sim_capacity", "how many simulated workers one CPU core sustains"),
 }
+
+EXAMPLES = """\
+examples (from the repository root, after `make test` or `make run` has built .venv):
+  .venv/bin/kvgate bench simulate --policies round_robin,kv_aware
+  .venv/bin/kvgate bench traces info bench/data/traces/azure/AzureLLMInferenceTrace_code.csv
+  .venv/bin/kvgate bench simulate --help"""
+
+
+def usage(out: TextIO) -> None:
+    """The tool list: one line each, then examples."""
+    print(f"usage: {PROG} TOOL [options]   ({PROG} TOOL --help: that tool's options)", file=out)
+    print("\ntools:", file=out)
+    width = max(map(len, TOOLS))
+    for name, (_, line) in TOOLS.items():
+        print(f"  {name:<{width}}  {line}", file=out)
+    print(f"\n{EXAMPLES}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to a tool's own `main(argv)`; imported lazily so each tool starts fast."""
+    """Dispatch to a tool's own `main(argv)`, imported lazily so each tool starts fast.
+
+    `--help` (or `-h`) lists the tools and exits 0; no tool, or one that does not exist, prints
+    why and the list on stderr and exits 2 (an unknown name must not look like a usage screen
+    the user asked for)."""
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] not in TOOLS:
-        print(__doc__.strip(), file=sys.stderr)
-        print(f"\ntools: {', '.join(TOOLS)}", file=sys.stderr)
+    if args and args[0] in ("-h", "--help", "help"):
+        usage(sys.stdout)
+        return 0
+    if not args:
+        print(f"{PROG}: error: which tool?", file=sys.stderr)
+        usage(sys.stderr)
         return 2
-    module = importlib.import_module(TOOLS[args[0]])
+    if args[0] not in TOOLS:
+        print(f"{PROG}: error: unknown tool {args[0]!r}", file=sys.stderr)
+        usage(sys.stderr)
+        return 2
+    module = importlib.import_module(TOOLS[args[0]][0])
     return int(module.main(args[1:]) or 0)
 
 

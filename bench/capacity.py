@@ -1,7 +1,7 @@
 """Capacity search: the highest request rate a fleet sustains within latency SLOs, per policy.
 
-    python -m bench.capacity --trace ../shared/traces/mooncake/synthetic_trace.jsonl --workers 8 \\
-        --policies round_robin,kv_aware --slo-ttft-p95 2 --slo-tpot-p95 0.1 --png capacity.png
+    .venv/bin/kvgate bench capacity --trace bench/data/traces/mooncake/synthetic_trace.jsonl \\
+        --workers 8 --policies round_robin,kv_aware --slo-ttft-p95 2 --slo-tpot-p95 0.1
 
 The "validate capacity before launch" job: keep the trace's shape (lengths, prefix sharing,
 burstiness) and compress or stretch its arrival times until the SLOs just hold. For each policy,
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.metrics import SLO, machine
+from bench.paths import out_path, shown
 from bench.simulate import (
     PolicySpec,
     RunContext,
@@ -231,14 +232,16 @@ def main(argv: list[str] | None = None) -> int:
             g.add_argument(f"--slo-{m}-{q}", type=float, default=None, help=argparse.SUPPRESS)
     g.add_argument("--iterations", type=int, default=4, help="bisection steps after bracketing")
     g.add_argument("--max-scale", type=float, default=64.0, help="search within [1/x, x]")
-    g.add_argument("--png", type=Path, default=Path("bench/out/capacity.png"))
-    g.add_argument("--json", type=Path, default=None)
+    g.add_argument("--png", type=Path, default=out_path("capacity.png"), help="%(default)s")
+    g.add_argument(
+        "--json", type=Path, default=out_path("capacity.json"), help="every probe: %(default)s"
+    )
     p.epilog = "SLOs: --slo-{ttft,tpot,itl,e2e}-{p50,p90,p95,p99} SECONDS (default TTFT p95 2 s)"
     args = p.parse_args(argv)
     objectives = objectives_from_args(args) or [Objective("ttft", "p95", 2.0)]
     console = report_console()
     t0 = time.perf_counter()
-    trace = trace_from_args(args)
+    trace = trace_from_args(args, p.prog)
     fleet = fleet_from_args(args)
     ctx = RunContext(
         trace=trace,
@@ -271,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(searches, objectives, base, args.png, title)
     for line in lines:
         console.print(line, markup=False)
-    console.print(f"plot: {args.png}  (total {time.perf_counter() - t0:.0f} s)", markup=False)
+    console.print(
+        f"plot: {shown(args.png)}  (total {time.perf_counter() - t0:.0f} s)", markup=False
+    )
     if args.json:
         out = {
             "answers": [
@@ -302,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        console.print(f"wrote {shown(args.json)}", markup=False)
     return 0
 
 

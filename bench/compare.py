@@ -1,8 +1,8 @@
 """Side-by-side: the same trace sample through kvgate (each policy), the peer routers and direct to
 one worker, against the same simulated fleet, in one run.
 
-    python -m bench.compare                     # Mooncake sample, 8 workers, everything
-    python -m bench.compare --peers none --policies round_robin,kv_aware --sample 0.03
+    .venv/bin/kvgate bench compare              # Mooncake sample, 8 workers, everything
+    .venv/bin/kvgate bench compare --peers none --policies round_robin,kv_aware --sample 0.03
 
 For each target, in turn: a fresh simulated fleet (`kvgate sim` in a subprocess, so every router
 starts from empty caches), the router (`kvgate serve` with a generated config, or a peer from its
@@ -20,8 +20,10 @@ of a 2x faster arrival rate while the CPU that runs the simulator, the router an
 half the HTTP traffic. The offline simulator's prediction for the same sample and fleet is printed
 next to the HTTP numbers (`--no-predict` skips it).
 
-Writes `<out>/compare.md`, `compare.json`, `ttft_cdf.png`, `hit_rate.png`, `worker_load.png`, and
-every process's log under `<out>/logs/`.
+Writes `<out>/compare.md` (every column), `compare.json`, `ttft_cdf.png`, `hit_rate.png`,
+`worker_load.png`, and every process's log under `<out>/logs/` (`--out`, default
+`bench/out/compare/`). The table printed on the terminal fits 100 columns; `--wide` prints every
+column there too.
 """
 
 from __future__ import annotations
@@ -44,15 +46,35 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from bench.metrics import SLO, balance, dist, machine
+from bench.paths import MOONCAKE_TRACE, out_path, shown
 from bench.replay import ReplayOptions, parse_goodput, run_replay
-from bench.simulate import FleetSpec, PolicySpec, simulate_policy, split_policies
-from bench.traces import Trace, cache_bound, cap_output, head, load_trace, sample, scale_time
+from bench.simulate import (
+    FleetSpec,
+    PolicySpec,
+    add_number_column,
+    print_table,
+    simulate_policy,
+    split_policies,
+)
+from bench.traces import (
+    Trace,
+    TraceError,
+    cache_bound,
+    cap_output,
+    exit_on_trace_error,
+    head,
+    load_trace,
+    sample,
+    scale_time,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared/traces/mooncake/synthetic_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 PEERS_DIR = ROOT / ".build" / "peers"
 MODEL = "sim-llama"
 HOST = "127.0.0.1"
@@ -256,7 +278,7 @@ def start_kvgate(spec: PolicySpec, urls: list[str], logs: Path, tag: str) -> tup
 
 @dataclass(slots=True, frozen=True)
 class Peer:
-    """An installable peer router (see ../shared/reference/peers.md), bound to 127.0.0.1."""
+    """An installable peer router (its PyPI package, in its own virtualenv), on 127.0.0.1."""
 
     name: str
     package: str
@@ -511,6 +533,82 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+# (header, wide only, cell from a target's report entry): the default set fits 100 columns with
+# a 23-character router name (`kvgate:kv_aware_precise`); compare.md and `--wide` have them all.
+CompareCell = Callable[[dict[str, Any], float], str]
+COMPARE_COLUMNS: tuple[tuple[str, bool, CompareCell], ...] = (
+    ("router", False, lambda t, b: t["name"]),
+    (
+        "ok/\nfailed",
+        False,
+        lambda t, b: (
+            f"{t['result']['completed']}/{t['result']['failed'] + t['result']['not_sent']}"
+        ),
+    ),
+    ("hit\nrate", False, lambda t, b: _pct(t["result"]["hit_rate"])),
+    (
+        "/bound",
+        False,
+        lambda t, b: (
+            "-"
+            if t["result"]["hit_rate"] is None or not b
+            else f"{t['result']['hit_rate'] / b:.2f}"
+        ),
+    ),
+    ("TTFT\np50", False, lambda t, b: _ms(t["result"]["median_ttft_ms"])),
+    ("TTFT\np90", True, lambda t, b: _ms(t["result"]["p90_ttft_ms"])),
+    ("TTFT\np99", False, lambda t, b: _ms(t["result"]["p99_ttft_ms"])),
+    ("TPOT\np50", True, lambda t, b: _ms(t["result"]["median_tpot_ms"])),
+    ("TPOT\np99", False, lambda t, b: _ms(t["result"]["p99_tpot_ms"])),
+    ("E2E\np99", False, lambda t, b: _ms(t["result"]["p99_e2el_ms"])),
+    ("req/s", False, lambda t, b: f"{t['result']['request_throughput']:.2f}"),
+    ("good-\nput/s", True, lambda t, b: f"{t['result']['request_goodput']:.2f}"),
+    (
+        "load",
+        True,
+        lambda t, b: (
+            "-" if t["result"]["worker_balance"] is None else f"{t['result']['worker_balance']:.2f}"
+        ),
+    ),
+    (
+        "predicted\nhit / p99",
+        False,
+        lambda t, b: (
+            f"{t['predicted']['hit_rate']:.1%} / {t['predicted']['ttft']['p99']:.3f}"
+            if t.get("predicted")
+            else "-"
+        ),
+    ),
+)
+
+
+def console_table(report: dict[str, Any], wide: bool = False) -> Table:
+    """The terminal's view of compare.md: the targets that ran, in seconds; the default columns
+    fit a 100-column terminal (compare.md keeps every column, for the record)."""
+    tr = report["trace"]
+    bound = tr["bound"]["token_hit_rate"]
+    cols = [c for c in COMPARE_COLUMNS if wide or not c[1]]
+    t = Table(
+        title="bench.compare (seconds; hit rate from the workers' usage.cached_tokens)",
+        caption=f"{tr['describe']} | {report['fleet_describe']} | infinite-cache bound "
+        f"{bound:.1%}, pooled LRU {tr['pooled_bound']['token_hit_rate']:.1%} | goodput SLO "
+        f"{report['slo_describe']} | seed {report['seed']}",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    for i, (header, _, _) in enumerate(cols):
+        add_number_column(t, header, left=i == 0)
+    for target in report["targets"]:
+        if target["status"] == "ok":
+            t.add_row(*(cell(target, bound) for _, _, cell in cols))
+    return t
+
+
 def plots(report: dict[str, Any], out: Path) -> list[Path]:
     """TTFT CDF per router, hit rate vs the bounds, per-worker load."""
     import matplotlib
@@ -637,14 +735,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--goodput", nargs="*", default=None, help="ttft:MS tpot:MS e2el:MS")
     g.add_argument("--budget", type=float, default=840.0, help="skip targets past N s in all")
     g.add_argument("--no-predict", action="store_true")
-    g.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "compare")
+    g.add_argument("--out", type=Path, default=out_path("compare"), help="%(default)s")
+    g.add_argument("--wide", action="store_true", help="print every column (compare.md has all)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     console = Console() if sys.stdout.isatty() else Console(width=160)
     out: Path = args.out
     logs = out / "logs"
+    try:
+        trace = prepare(args)
+    except TraceError as e:
+        exit_on_trace_error(p.prog, e)
     out.mkdir(parents=True, exist_ok=True)
-    trace = prepare(args)
     fleet = SimFleet(
         workers=args.workers,
         num_blocks=args.num_blocks,
@@ -752,9 +854,12 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(report)
     (out / "compare.md").write_text(md, encoding="utf-8")
     pngs = plots(report, out)
-    console.print(md, markup=False)
+    print_table(console, console_table(report, args.wide))
+    for t in targets:
+        if t.status != "ok":
+            console.print(f"not measured: {t.name}: {t.status}: {t.reason}", markup=False)
     console.print(
-        f"wrote {out / 'compare.md'}, compare.json, {', '.join(p.name for p in pngs)} "
+        f"wrote {shown(out / 'compare.md')}, compare.json, {', '.join(p.name for p in pngs)} "
         f"in {report['wall_s']:.0f} s",
         markup=False,
     )

@@ -1,6 +1,7 @@
 """What the gateway adds: TTFT through kvgate minus direct, and its relay capacity on one core.
 
-    python -m bench.overhead [--requests 2000] [--concurrency 1,16,100] [--clients aiohttp,httpx]
+    .venv/bin/kvgate bench overhead [--requests 2000] [--concurrency 1,16,100] \\
+        [--clients aiohttp,httpx]                # results: bench/out/overhead.json
 
 Topology (all on 127.0.0.1): one simulated worker with the `instant` timing profile (so the
 worker's own time is ~0 and what remains is HTTP + relay), the gateway as a separate process
@@ -33,6 +34,8 @@ import httpx
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from bench.paths import out_path, shown
 
 MODEL = "sim-llama"
 PROMPT = ("The quick brown fox jumps over the lazy dog while the cache warms up. " * 60)[:4000]
@@ -232,7 +235,9 @@ def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--requests", type=int, default=2000, help="requests per measured run")
     ap.add_argument("--concurrency", default="1,16,100", help="in-flight streams, comma-separated")
@@ -243,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--capacity-seconds", type=float, default=8.0, help="approximate capacity run length"
     )
-    ap.add_argument("--json", type=Path, default=None, help="write results here")
+    ap.add_argument(
+        "--json", type=Path, default=out_path("overhead.json"), help="results: %(default)s"
+    )
     ap.add_argument(
         "--quota-modes",
         default="off,memory,redis",
@@ -370,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
+        con.print(f"wrote {shown(args.json)}", markup=False)
     return 0
 
 

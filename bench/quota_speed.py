@@ -1,7 +1,7 @@
 """What a quota check costs: admission + settlement per request, and cycles/s on one core.
 
-    python -m bench.quota_speed [--requests 5000] [--concurrency 64] [--seconds 3]
-                                [--redis-url redis://...]
+    .venv/bin/kvgate bench quota_speed [--requests 5000] [--concurrency 64] [--seconds 3]
+                                       [--redis-url redis://...]
 
 Every request goes through the full path the gateway uses: tenant RPM + TPM, a per-model RPM +
 TPM, a concurrency lease, then a settle that refunds part of the reservation and frees the lease.
@@ -132,13 +132,17 @@ async def measure(
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.quota_speed",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--requests", type=int, default=5000, help="sequential cycles for latency")
     ap.add_argument("--concurrency", type=int, default=64, help="in flight for throughput")
     ap.add_argument("--seconds", type=float, default=3.0, help="throughput run length")
     ap.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     console = Console()
 
     cores = sorted(os.sched_getaffinity(0))

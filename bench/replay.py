@@ -1,8 +1,9 @@
 """Open-loop HTTP replay of a trace against any OpenAI-compatible server (kvgate, a peer router,
 one vLLM), with `vllm bench serve`-style results.
 
-    python -m bench.replay --url http://127.0.0.1:8000 --trace ../shared/traces/mooncake/... \\
-        --sample 200 --time-scale 0.5 --max-concurrency 64 --duration 120 --json replay.json
+    .venv/bin/kvgate bench replay --url http://127.0.0.1:8000 --api-key kvg-demo-team-a \\
+        --trace bench/data/traces/mooncake/synthetic_trace.jsonl --sample 200 --time-scale 0.5 \\
+        --max-concurrency 64 --duration 120                # report: bench/out/replay.json
 
 Why open loop: production traffic does not wait for the server, so a closed loop (next request when
 one finishes) hides queueing exactly when it matters. Requests are sent at the trace's timestamps
@@ -41,9 +42,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.metrics import SLO, balance, dist, machine, tpot
+from bench.paths import out_path, shown
 from bench.traces import (
     Trace,
+    TraceError,
     TraceRequest,
+    exit_on_trace_error,
     head,
     load_trace,
     prompt_text,
@@ -438,13 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--api-key", default=None)
     p.add_argument("--goodput", nargs="*", default=None, help="ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=out_path("replay.json"), help="%(default)s")
     p.add_argument("--no-records", action="store_true", help="leave per-request records out")
     p.add_argument("--quiet", action="store_true")
     add_replay_args(p)
     args = p.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    trace = prepare_trace(args)
+    try:
+        trace = prepare_trace(args)
+    except TraceError as e:
+        exit_on_trace_error(p.prog, e)
     opts = ReplayOptions(
         url=args.url,
         model=args.model,
@@ -468,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
-        console.print(f"wrote {args.json}", markup=False)
+        console.print(f"wrote {shown(args.json)}", markup=False)
     return 0 if res["failed"] == 0 else 1
 
 

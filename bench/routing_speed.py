@@ -1,6 +1,6 @@
 """Routing decision time: render + hash + match + score, per fleet size and prompt length.
 
-    python -m bench.routing_speed [--requests N] [--workers 8,64,256] [--tokens 1000,8000,32000]
+    .venv/bin/kvgate bench routing_speed [--requests N] [--workers 8,64,256] [--tokens 1000,8000]
 
 Each cell builds a ``kv_aware`` policy over a fleet with varied load, pre-populates its prefix index
 with one shared system prompt per group (two groups per worker, each held by one or two workers) and
@@ -176,7 +176,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routing_speed",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--workers", default="8,64,256")
     p.add_argument("--tokens", default="1000,8000,32000")

@@ -1,6 +1,6 @@
 """How many simulated vLLM workers one CPU core sustains.
 
-    python -m bench.sim_capacity [--levels 1,8,16,32,48,64,96,128] [--streams-per-worker 8]
+    .venv/bin/kvgate bench sim_capacity [--levels 1,8,16,32,48,64,96,128] [--streams-per-worker 8]
 
 Why: fleet-scale tests and routing benches run 8-32 simulated workers on one small machine. That
 is only meaningful while the simulator keeps its modelled timing; once the event loop is saturated,

@@ -1,6 +1,6 @@
 """How fast the virtual clock replays a whole trace: the offline simulator's own benchmark.
 
-    python -m bench.sim_speed --trace ../shared/traces/mooncake/synthetic_trace.jsonl --workers 8
+    .venv/bin/kvgate bench sim_speed --workers 8      # the Mooncake sample in bench/data/traces/
 
 Replays every request of a Mooncake trace through N simulated engines with a blind routing policy
 and reports the wall time next to what was simulated. The point is the simulator's speed (policy
@@ -25,14 +25,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.traces import infinite_cache_hit_rate, load_mooncake, tokens_for_blocks
+from bench.paths import MOONCAKE_TRACE
+from bench.traces import (
+    TraceError,
+    check_trace_path,
+    exit_on_trace_error,
+    infinite_cache_hit_rate,
+    load_mooncake,
+    tokens_for_blocks,
+)
 from scoring.policy import RouteRequest, WorkerView, make_policy
 from workers.sim.engine import Engine, EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, Router, SimulationResult, VirtualFleet
 from workers.sim.vclock import percentile as pct
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake/synthetic_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 
 
 def policy_router(name: str) -> Router:
@@ -127,7 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.sim_speed", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL (%(default)s)"
+    )
     p.add_argument("--workers", type=int, default=8, help="simulated engines (default 8)")
     p.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin")
     p.add_argument("--profile", default="default", help="timing profile (default: GPU-like)")
@@ -144,6 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        check_trace_path(args.trace)
+    except TraceError as e:
+        exit_on_trace_error("python -m bench.sim_speed", e)
     if args.cprofile is not None:
         prof = cProfile.Profile()
         result, wall = prof.runcall(run, args)

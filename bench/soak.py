@@ -1,9 +1,9 @@
 """Soak: constant open-loop load at 80% of the simulated fleet's capacity for 10 minutes, watching
 the gateway's memory, latency drift and leftovers. A bench run, not CI.
 
-    python -m bench.soak                                  # 600 s + ~20 s set-up
-    python -m bench.soak --duration 60 --out /tmp/soak    # a quick validation
-    nohup python -m bench.soak --no-progress > .build/bench/soak/soak.log 2>&1 &
+    .venv/bin/kvgate bench soak                                # 600 s after set-up
+    .venv/bin/kvgate bench soak --duration 60 --out /tmp/soak  # a quick validation
+    mkdir -p bench/out; nohup .venv/bin/kvgate bench soak --no-progress >bench/out/soak.log 2>&1 &
 
 Why: slow leaks (a reservation, a lease, a per-request dict entry, a socket) do not show in a
 30-second benchmark or a unit test; they show as RSS that keeps growing and as in-flight gauges
@@ -45,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.metrics import dist, machine
+from bench.paths import out_path
 from bench.spike import (
     Client,
     CpuMeter,
@@ -73,6 +74,7 @@ from bench.spike import (
 
 DEFAULT_TENANTS = "interactive:0.9:0.3,standard:0.5:0.4,batch:0.2:0.3"
 QUIESCENCE = ("kvgate_tenant_in_flight", "kvgate_worker_in_flight")
+DEFAULT_OUT = out_path("soak")  # git-ignored, like every bench output
 
 
 @dataclass(slots=True)
@@ -95,7 +97,7 @@ class SoakOptions:
     seed: int = 1
     pin: bool = True
     quiesce_timeout_s: float = 15.0
-    out: Path | None = Path(".build/bench/soak")
+    out: Path | None = DEFAULT_OUT
     show_progress: bool = True
 
     def bucket(self) -> float:
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.add_argument_group("gateway [admission]")
     a.add_argument("--priority-reserve", type=float, default=0.1)
     a.add_argument("--deadline-s", type=float, default=10.0)
-    ap.add_argument("--out", type=Path, default=Path(".build/bench/soak"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="%(default)s")
     args = ap.parse_args(argv)
     try:
         tenants = parse_tenants(args.tenants)

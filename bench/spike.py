@@ -1,9 +1,9 @@
 """Overload acceptance run (issue 9): a spike to 5x the simulated fleet's capacity, with and
 without admission control, on 127.0.0.1.
 
-    python -m bench.spike                                 # ~2.2 min on 2 cores
-    python -m bench.spike --runs on --spike-s 10          # admission on only, shorter
-    python -m bench.spike --capacity 20 --priority-reserve 0.2 --out /tmp/spike
+    .venv/bin/kvgate bench spike                          # 2.5 min on 2 cores
+    .venv/bin/kvgate bench spike --runs on --spike-s 10   # admission on only, shorter
+    .venv/bin/kvgate bench spike --capacity 20 --priority-reserve 0.2 --out /tmp/spike
 
 Why this shape. Overload is where a gateway either keeps its promises or becomes a FIFO in front
 of a FIFO, so the run pins down the three things the issue asks for on one fleet and one seed:
@@ -83,12 +83,14 @@ from rich.progress import (
 from rich.table import Table
 
 from bench.metrics import dist, machine
+from bench.paths import out_path
 
 MODEL = "sim-llama"
 CHAT_PATH = "/v1/chat/completions"
 STATE_PATH = "/_bench/state"
 ADMISSION_HEADER = "x-kvgate-admission"
 REFUSALS = (429, 503)
+DEFAULT_OUT = out_path("spike")  # git-ignored, like every bench output
 
 
 # -- tenants, fleet, gateway config ---------------------------------------------------------------
@@ -849,7 +851,7 @@ class SpikeOptions:
     seed: int = 1
     pin: bool = True
     quiesce_timeout_s: float = 20.0
-    out: Path | None = Path(".build/bench/spike")
+    out: Path | None = DEFAULT_OUT
     show_progress: bool = True
 
     def to_json(self) -> dict[str, Any]:
@@ -1324,7 +1326,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--reserve-min-priority", type=float, default=0.7)
     a.add_argument("--deadline-s", type=float, default=10.0, help="default_deadline_s")
     a.add_argument("--max-queued", type=int, default=1024)
-    ap.add_argument("--out", type=Path, default=Path(".build/bench/spike"))
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="%(default)s")
     args = ap.parse_args(argv)
     if args.serve_gateway is not None:
         return serve_gateway(args.serve_gateway)

@@ -47,7 +47,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import xxhash
@@ -64,6 +64,18 @@ _pool: np.ndarray | None = None
 SCHEMA_VERSION = 1
 BlockId = int | str
 _MASK64 = (1 << 64) - 1
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read (missing, or of no known format).
+
+    Its own class so every bench CLI can report it as one line (`exit_on_trace_error`) instead
+    of a traceback: a wrong path is a user's typo, not a bug.
+    """
+
+
+class TraceNotFoundError(TraceError, FileNotFoundError):
+    """The trace path does not exist (also a FileNotFoundError, for callers that catch that)."""
 
 
 class TraceRecord(NamedTuple):
@@ -592,7 +604,7 @@ def detect_format(path: str | Path) -> str:
     if p.is_dir():
         if any(p.glob("*.json")):
             return "weka-agentic"
-        raise ValueError(f"{p}: a directory without *.json session files")
+        raise TraceError(f"{p}: a directory without *.json session files")
     with open(p, encoding="utf-8") as f:
         head = f.read(4096)
     first = head.lstrip().split("\n", 1)[0].strip()
@@ -612,11 +624,29 @@ def detect_format(path: str | Path) -> str:
                 return "weka-agentic"
         if '"requests"' in head and '"block_size"' in head:
             return "weka-agentic"
-    raise ValueError(f"{p}: cannot tell the trace format from its content")
+    raise TraceError(f"{p}: cannot tell the trace format from its content")
+
+
+def check_trace_path(path: str | Path) -> None:
+    """Raise `TraceNotFoundError` (one readable line, naming the shipped samples) for a path that
+    does not exist; `synthetic:...` specs are not paths."""
+    if str(path).startswith("synthetic") or Path(path).exists():
+        return
+    from bench.paths import TRACES_DIR, shown
+
+    hint = f"; sample traces are in {shown(TRACES_DIR)}/" if TRACES_DIR.is_dir() else ""
+    raise TraceNotFoundError(f"trace not found: {path}{hint}")
+
+
+def exit_on_trace_error(prog: str, error: TraceError) -> NoReturn:
+    """Print `prog: error: ...` as one line on stderr and exit 2, like an argparse usage error."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trace:
     """Any supported trace, format detected unless given. `options` go to the converter."""
+    check_trace_path(path)
     fmt = fmt or detect_format(path)
     if fmt == "mooncake":
         return from_mooncake(path)
@@ -629,7 +659,7 @@ def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trac
     if fmt == "synthetic":
         spec = SyntheticSpec.parse(str(path))
         return synthetic(spec)
-    raise ValueError(f"unknown trace format {fmt!r}")
+    raise TraceError(f"unknown trace format {fmt!r}")
 
 
 # ==================================================================================================
@@ -928,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="any supported trace -> normalized JSONL")
     c.add_argument("trace", help="file, weka session directory, or synthetic:k=v,...")
-    c.add_argument("--out", required=True, type=Path)
+    c.add_argument("--out", required=True, type=Path, help="e.g. bench/out/my_trace.jsonl")
     c.add_argument("--format", default=None, help="skip detection")
     c.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
     c.add_argument("--time-scale", type=float, default=1.0)
@@ -937,11 +967,15 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("trace")
     i.add_argument("--format", default=None)
     args = p.parse_args(argv)
-    trace = load_trace(args.trace, args.format)
+    try:
+        trace = load_trace(args.trace, args.format)
+    except TraceError as e:
+        exit_on_trace_error(p.prog, e)
     if args.cmd == "convert":
         if args.sample:
             trace = sample(trace, args.sample, args.seed)
         trace = scale_time(trace, args.time_scale)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(args.out, trace)
         print(f"wrote {len(trace.requests)} requests to {args.out}")
     else:

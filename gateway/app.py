@@ -17,7 +17,6 @@ import logging
 import random
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +51,12 @@ from gateway.config import (
     load_settings,
 )
 from gateway.errors import APIError, model_not_found, no_capacity
+from gateway.ids import echo_headers, next_request_id
 from gateway.logs import setup_logging
 from gateway.metrics import AdmissionCollector, AdmissionMetrics, GatewayMetrics, KVEventCollector
 from gateway.proxy import Call, Proxy
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens
+from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
@@ -72,6 +72,8 @@ log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # a dispatch still waiting this long gets a client-disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Outcomes of a non-streaming request cut off while a worker was generating it.
+_CUT_OFF = frozenset({"upstream_timeout", "client_disconnect"})
 
 
 def _load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
@@ -361,6 +363,8 @@ class Gateway:
         if w.metrics.kv_usage >= self.routing_options.saturation_kv:
             return 0
         cap = w.spec.max_concurrency or self.settings.admission.worker_concurrency
+        if w.health is Health.HALF_OPEN:  # on trial: only its trial requests
+            cap = min(cap, self.registry.half_open_requests)
         return cap - w.in_flight if cap > w.in_flight else 0
 
     def _room(self, model: str, priority: float) -> int:
@@ -423,10 +427,11 @@ class Gateway:
             m.worker_state.labels(w.name, h.value).set(1 if w.health is h else 0)
 
     def _on_health_change(self, w: Worker, was: Health) -> None:
-        """Every health change, whatever caused it (probes, the breaker, outlier ejection)."""
+        """Every health change, whatever caused it (probes, failed requests, the breaker, outlier
+        ejection, a half-open trial): exported and logged here, once per transition."""
         self._export_health(w)
-        if w.ejection_reason:
-            log.warning("worker %s ejected (%s): %s", w.name, w.ejection_reason, w.last_error)
+        down = w.health is Health.UNHEALTHY
+        log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
 
     def _on_passive_failure(self, name: str) -> None:
         w = self.registry.workers.get(name)
@@ -439,10 +444,14 @@ class Gateway:
     # -- the walk ----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         path = request.url.path
-        rid = request.headers.get("x-request-id") or ""
-        rid_generated = not _RID_OK.match(rid)
-        if rid_generated:
-            rid = uuid.uuid4().hex
+        # Our own id names the request everywhere it matters (quota reservation, usage record,
+        # logs, the worker's x-request-id): clients reuse and collide ids, and billing dedupes
+        # on this one. The client's id is kept beside it, echoed and forwarded as a label.
+        rid = next_request_id()
+        client_rid = request.headers.get("x-request-id") or None
+        if client_rid is not None and not _RID_OK.match(client_rid):
+            client_rid = None
+        echo = echo_headers(rid, client_rid)
         t0 = time.perf_counter()
         ticket: Ticket | None = None
         call: Call | None = None
@@ -465,10 +474,12 @@ class Gateway:
             is_chat = path == CHAT
             opts = self.routing_options
             prompt_est = estimate_prompt_tokens(is_chat, data, opts.chars_per_token)
-            max_out = 0
             if self.tenants.enabled:
-                max_out, changed = apply_caps(tenant, model, data, prompt_est)
+                # Output reserved: per-choice limit (capped/injected) x choices x prompts.
+                max_out, changed = apply_caps(tenant, model, data, prompt_est, is_chat=is_chat)
                 req.modified |= changed
+            else:
+                max_out = output_tokens(is_chat, data)
             if not self.registry.candidates(model):
                 if self.registry.knows_model(model) or not self.registry.healthy():
                     raise no_capacity(f"no healthy worker is serving model `{model}`")
@@ -515,12 +526,10 @@ class Gateway:
             if key is not None:
                 route = with_key(route, key)
             if self.tenants.enabled:
-                # Reserved under an id of our own: the client's x-request-id is only a label,
-                # and reusing one must neither collide with nor skip a reservation.
-                qid = rid if rid_generated else f"{rid}.{uuid.uuid4().hex[:12]}"
-                ticket = await self.quota.admit(tenant, qid, model, prompt_est + max_out)
+                ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
             call = Call(
                 request_id=rid,
+                client_request_id=client_rid,
                 model=model,
                 path=path,
                 body=orjson.dumps(data) if req.modified else raw,
@@ -544,7 +553,13 @@ class Gateway:
                 await self.quota.release(ticket, refund_all=True)
             raise
         except APIError as e:
-            if ticket is not None and not (call is not None and call.ctx.settled):
+            if call is not None and call.upstream_sent and not call.stream:
+                # A non-streaming request cut off while a worker generated it (total timeout,
+                # client gone): the compute was spent, so it is settled, not refunded.
+                call.status = e.status
+                call.outcome = "upstream_timeout" if e.status == 504 else "client_disconnect"
+                await self.proxy.finish(call)  # type: ignore[union-attr]
+            elif ticket is not None and not (call is not None and call.ctx.settled):
                 # No worker produced anything: not the tenant's doing, refund it all.
                 await self.quota.release(ticket, refund_all=True)
             self.metrics.rejected.labels(str(e.status)).inc()
@@ -553,13 +568,14 @@ class Gateway:
                 extra={
                     "fields": {
                         "request_id": rid,
+                        "client_request_id": client_rid,
                         "path": path,
                         "status": e.status,
                         "error": e.message[:200],
                     }
                 },
             )
-            return e.response({"x-request-id": rid})
+            return e.response(echo)
         except Exception:
             # A bug must still answer in the envelope and give back what it took.
             log.exception("request %s failed inside the gateway", rid)
@@ -568,7 +584,7 @@ class Gateway:
             self.metrics.rejected.labels("500").inc()
             return APIError(
                 500, "internal gateway error", "internal_error", code="internal_error"
-            ).response({"x-request-id": rid})
+            ).response(echo)
 
     def _split(self, model: str) -> Callable[[Worker], bool] | None:
         """Canary splits: this request's pool, drawn once so retries stay in it when they can."""
@@ -674,6 +690,13 @@ class Gateway:
             charged = ctx.prompt_estimate + max(0, call.events - 2)
             if t is not None:
                 await self.quota.settle(t, charged)
+        elif not call.stream and call.outcome in _CUT_OFF:
+            # A whole response cut off mid-generation: how far the worker got is unknowable, so
+            # the reservation (prompt + output cap) is what it may have spent. Exact billing of
+            # cut-off work needs `stream: true`.
+            charged = t.reserved if t is not None else ctx.tokens
+            if t is not None:
+                await self.quota.settle(t, charged)
         elif t is not None:
             # Nothing generated: an upstream 4xx is the client's request's fault (the attempt
             # counts), anything else is not.
@@ -681,6 +704,7 @@ class Gateway:
         await self.usage.write(
             {
                 "request_id": call.request_id,
+                "client_request_id": call.client_request_id,
                 "tenant": ctx.tenant.name,
                 "model": call.model,
                 "worker": call.worker,
@@ -697,7 +721,16 @@ class Gateway:
         )
 
     async def models(self, request: Request) -> Response:
+        """OpenAI's /v1/models: a key is required (when tenants exist) and a tenant sees only the
+        models its allowlist grants, like the completion routes' 404 for the rest."""
+        try:
+            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        except APIError as e:
+            return e.response()
         cards = self.registry.served_models()
+        allowed = tenant.cfg.models
+        if allowed:
+            cards = {m: c for m, c in cards.items() if m in allowed}
         data = [
             {
                 "id": mid,
@@ -733,6 +766,11 @@ class Gateway:
         )
 
     async def prom(self, request: Request) -> Response:
+        if self.settings.admin.metrics_require_key:
+            try:
+                self._admin(request)
+            except APIError as e:
+                return e.response()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- admin -------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,6 +24,9 @@ from gateway.config import ConfigError, Settings, load_settings
 from gateway.logs import setup_logging
 
 DEFAULT_CONFIG = "config.example.toml"
+# `kvgate dev`'s drain on Ctrl-C: long enough for a short request to finish, short enough that
+# nobody waits on a stream they started by hand (`kvgate serve` uses server.drain_grace_s).
+DEV_DRAIN_GRACE_S = 2.0
 
 
 def _load(path: str) -> Settings:
@@ -31,53 +36,22 @@ def _load(path: str) -> Settings:
         sys.exit(f"kvgate: {e}")
 
 
-async def _serve(settings: Settings, config_path: Path | None, on_ready=None) -> None:
-    import uvicorn
+async def _serve(
+    settings: Settings,
+    config_path: Path | None,
+    on_ready: Callable[[Any], Awaitable[None]] | None = None,
+    drain_grace_s: float | None = None,
+) -> None:
+    """Serve until a signal stops it (gateway/server.py: connection guard, draining shutdown).
 
+    `drain_grace_s` None: the configured `server.drain_grace_s` (`kvgate serve`); the dev runner
+    passes a short one. `on_ready(app)` runs once the socket listens.
+    """
     from gateway.app import create_app
+    from gateway.server import build_server
 
     app = create_app(settings, config_path)
-
-    class DrainingServer(uvicorn.Server):
-        """SIGTERM/SIGINT drain the gateway first (``Gateway.drain``), then stop the server; a
-        second signal stops at once. uvicorn alone would close its sockets straight away and
-        leave load balancers and in-flight streams to find out the hard way."""
-
-        drain_requested = False
-        loop: asyncio.AbstractEventLoop | None = None
-        tasks: set[asyncio.Task[None]] = set()
-
-        def handle_exit(self, sig: int, frame: object) -> None:
-            # A signal handler runs between two bytecodes of whatever the loop was doing: only
-            # hand the work to the loop from here.
-            if self.drain_requested or not self.started or self.loop is None:
-                super().handle_exit(sig, frame)  # type: ignore[arg-type]
-                return
-            self.drain_requested = True
-            self.loop.call_soon_threadsafe(self._start_drain)
-
-        def _start_drain(self) -> None:
-            async def drain_then_exit() -> None:
-                try:
-                    await app.state.gateway.drain()
-                finally:
-                    self.should_exit = True
-
-            t = asyncio.get_running_loop().create_task(drain_then_exit())
-            self.tasks.add(t)
-            t.add_done_callback(self.tasks.discard)
-
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=10,
-    )
-    server = DrainingServer(config)
-    server.loop = asyncio.get_running_loop()
+    server = build_server(app, settings.server, drain_grace_s=drain_grace_s)
     if on_ready is None:
         await server.serve()
         return
@@ -176,20 +150,38 @@ def cmd_dev(args: argparse.Namespace) -> int:
                 key = "<your key>"
             print(_banner(base, args.model, len(settings.workers), key), flush=True)
 
-        run_async(_serve(settings, Path(args.config), on_ready=ready))
-    except KeyboardInterrupt:
+        run_async(
+            _serve(settings, Path(args.config), on_ready=ready, drain_grace_s=DEV_DRAIN_GRACE_S)
+        )
+    except KeyboardInterrupt:  # Ctrl-C before the server took the signals over
         pass
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        _stop_workers(procs)
         print("kvgate dev: stopped gateway and simulated workers", flush=True)
     return 0
+
+
+def _stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM, up to 5 s to exit, then SIGKILL; one more Ctrl-C meanwhile goes to SIGKILL at
+    once (they run in sessions of their own: the terminal's Ctrl-C never reaches them)."""
+
+    def kill(sig: int) -> None:
+        for p in procs:
+            if p.poll() is None:  # never a reaped one: its group id may belong to another by now
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+
+    kill(signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + 5
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    kill(signal.SIGKILL)
+    for p in procs:
+        p.wait()
 
 
 def _banner(base: str, model: str, n: int, key: str) -> str:
@@ -214,9 +206,15 @@ print()'
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Hand everything after `bench` to `bench.__main__`, which lists the tools and dispatches.
+
+    `-h/--help` right after `bench` is an option of this subparser (argparse would otherwise call
+    it an unrecognized argument of `kvgate`, exit 2); after a tool name it is part of `args.args`
+    and reaches the tool's own parser."""
     from bench.__main__ import main as bench_main
 
-    return int(bench_main(args.args) or 0)
+    argv = [*args.args, "--help"] if args.bench_help else list(args.args)
+    return int(bench_main(argv) or 0)
 
 
 def cmd_key(args: argparse.Namespace) -> int:
@@ -255,9 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks and trace tools: simulate, capacity, replay, compare, ... (see bench/)",
+        help="benchmarks and trace tools: simulate, capacity, replay, compare, ... "
+        "(kvgate bench --help lists them)",
         add_help=False,
     )
+    p.add_argument("-h", "--help", action="store_true", dest="bench_help", help=argparse.SUPPRESS)
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
 

@@ -42,6 +42,15 @@ class ServerSettings(_Section):
     # On SIGTERM: /ready fails and new requests get 503 at once; in-flight requests get this long
     # to finish, then remaining streams end with an SSE error event (all settled) and it exits.
     drain_grace_s: float = Field(30.0, ge=0)
+    # A connection must deliver a complete request head this long after it opens (or after the
+    # head's first byte, between requests); then it is closed (408 if it had sent part of one).
+    head_timeout_s: float = Field(10.0, gt=0)
+    # An idle keep-alive connection (between requests) is closed after this long.
+    keepalive_timeout_s: float = Field(15.0, gt=0)
+    # Open client connections; at the cap the oldest idle one (no request in progress) is closed
+    # for a newcomer, and only when all are busy is the newcomer refused (503). Lowered at start
+    # to what the open-file limit holds.
+    max_connections: int = Field(8192, ge=16)
 
 
 class LoggingSettings(_Section):
@@ -54,6 +63,9 @@ class LoggingSettings(_Section):
 class AdminSettings(_Section):
     # sha256 hex digest of the admin key; empty disables every /admin endpoint.
     key_sha256: str = ""
+    # /metrics answers only with the admin key (Prometheus: `authorization` with a bearer
+    # credential): its labels name tenants, workers and models.
+    metrics_require_key: bool = False
 
 
 class WorkerSettings(_Section):
@@ -82,14 +94,20 @@ class WorkerSettings(_Section):
 class ProbeSettings(_Section):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
-    # Consecutive failures (probes and proxied requests) before a worker is ejected.
+    # Consecutive failures (probes and proxied requests) before a worker is ejected. Request
+    # failures among them make it a held ejection, readmitted only through half-open (below).
     unhealthy_after: int = Field(3, ge=1)
-    # Consecutive successful probes before an ejected worker is readmitted.
+    # Consecutive successful probes before an ejected worker is readmitted (or goes half-open).
     healthy_after: int = Field(1, ge=1)
-    # Re-probe backoff of an ejected worker; breaker and outlier ejections also hold a worker out
-    # for backoff_initial_s, doubling on each repeat up to backoff_max_s.
+    # Re-probe backoff of an ejected worker; every ejection for failed requests, by the breaker or
+    # as an outlier also holds a worker out for backoff_initial_s, doubling on each repeat up to
+    # backoff_max_s, whatever its /health says.
     backoff_initial_s: float = Field(1.0, gt=0)
     backoff_max_s: float = Field(30.0, gt=0)
+    # Half-open: after the hold, a worker ejected for failed requests takes at most this many
+    # requests at once until one succeeds (then it is healthy); a failed one ejects it again for
+    # twice as long. A /health 200 alone never readmits it.
+    half_open_requests: int = Field(1, ge=1)
     # Deep probe: every N-th probe of a healthy worker also generates 1 token (/health alone misses
     # an engine that cannot generate). 0 = off. Every probe is deep while a worker is unhealthy or
     # failing; skipped while proxied requests to it succeed.
@@ -124,10 +142,11 @@ class TimeoutSettings(_Section):
     connect_s: float = Field(2.0, gt=0)
     # Receiving the client's request body (slow or stalled uploads get a 408).
     client_body_s: float = Field(30.0, gt=0)
-    # A client that reads nothing of its stream for this long is cut off (its worker request
-    # aborted, its tokens settled): a stalled reader must not hold a worker slot forever.
+    # A client whose TCP stack accepts nothing of its stream for this long is cut off (its worker
+    # request aborted, its tokens settled): a stalled reader must not hold a worker slot forever.
     client_stall_s: float = Field(30.0, gt=0)
-    # Headers and first SSE event; long prompts queue and prefill before anything comes back.
+    # Streams: headers and first SSE event; long prompts queue and prefill before anything comes
+    # back. Non-streaming requests wait for their whole answer up to total_s instead.
     first_byte_s: float = Field(60.0, gt=0)
     # Longest silence between two SSE events before a stream is declared stuck.
     idle_s: float = Field(30.0, gt=0)
@@ -251,11 +270,17 @@ class TenantSettings(_Section):
     burst_tokens: int | None = Field(None, ge=1)
     max_concurrent: int | None = Field(None, ge=0)
     max_input_tokens: int | None = Field(None, ge=1)
+    # Output tokens per choice: applies to every output-limit field a worker may read
+    # (`max_tokens`, `max_completion_tokens`), on both endpoints.
     max_output_tokens: int | None = Field(None, ge=1)
-    # Injected as max_tokens when a request has none (and the reservation uses it).
+    # Injected as max_tokens when the request sets no limit the worker reads (and the reservation
+    # uses it): otherwise vLLM generates up to the rest of the context, unreserved.
     default_max_tokens: int = Field(512, ge=1)
-    # What a max_tokens above max_output_tokens gets: capped, or a 400.
+    # What an output limit above max_output_tokens gets: capped, or a 400.
     over_max_output: Literal["cap", "reject"] = "cap"
+    # Choices per prompt (`n`, or `best_of` when larger): each one is generated and reserved in
+    # full, so one request may hold max_n x prompts x max_output_tokens. Above it: a 400.
+    max_n: int = Field(16, ge=1)
     # Model allowlist (LoRA adapter names are models); empty allows every served model.
     models: list[str] = Field(default_factory=list)
     # Per-model limits on top of the tenant's own.

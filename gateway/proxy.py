@@ -25,8 +25,10 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.client_socket import AckProbe
 from gateway.config import Settings, TimeoutSettings
 from gateway.errors import APIError, no_capacity, sse_error_event
+from gateway.ids import echo_headers
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import (
     UpstreamClient,
@@ -43,6 +45,10 @@ reqlog = logging.getLogger("kvgate.request")
 _SSE_HEADERS_PASSTHROUGH = ("content-type",)
 _USAGE_MARK = b'"usage"'
 _DONE = b"data: [DONE]\n\n"
+_STREAM_ERRORS = {
+    "idle_timeout": "The worker sent nothing for too long; the gateway ended the stream.",
+    "upstream_broken": "The worker's stream ended unexpectedly; the response is incomplete.",
+}
 
 
 @dataclass(slots=True)
@@ -69,7 +75,7 @@ class Usage:
 class Call:
     """One client request on its way through the proxy."""
 
-    request_id: str
+    request_id: str  # the gateway's own (gateway.ids): unique, names the request everywhere
     model: str
     path: str
     body: bytes
@@ -91,6 +97,10 @@ class Call:
     prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
     prefill_reported: bool = False  # this attempt's on_prefill_done was called
     ctx: Any = None  # the gateway's own per-request state (tenant, quota ticket)
+    client_request_id: str | None = None  # the client's x-request-id: a label, echoed, forwarded
+    # The request went to a worker that may be generating it (non-streaming: nothing tells how
+    # far it got until the whole answer arrives); cleared when the attempt was refused.
+    upstream_sent: bool = False
 
 
 class Proxy:
@@ -149,8 +159,12 @@ class Proxy:
             handed_off = False
             t_sent = time.perf_counter()
             try:
-                resp = await self._send(call, worker, min(t.first_byte_s, deadline - _now()))
+                # A non-streaming response starts only when generation ends: its wait is the
+                # whole generation, bounded by the total deadline, not a first byte.
+                wait = min(t.first_byte_s, deadline - _now()) if call.stream else deadline - _now()
+                resp = await self._send(call, worker, wait)
                 if resp.status >= 500:
+                    call.upstream_sent = False  # refused: nothing was generated
                     body = await _read_bounded(resp, t.idle_s)
                     last_error = _upstream_error(resp.status, body)
                     self._fail(worker, f"HTTP {resp.status}")
@@ -182,19 +196,40 @@ class Proxy:
                 handed_off = True
                 return RelayResponse(self, call, worker, resp, first, headers, t, deadline)
             except UpstreamConnectError as e:
+                call.upstream_sent = False
+                # Clients get a stable message; what the socket said goes to the log (_fail).
                 last_error = APIError(
                     502,
-                    f"worker {worker.name} unreachable: {e}",
+                    "A worker could not be reached.",
                     "upstream_error",
                     code="upstream_connect_error",
                 )
                 self._fail(worker, f"connect: {e}")
             except (TimeoutError, UpstreamStreamError) as e:
                 timeout = isinstance(e, TimeoutError)
+                if timeout and not call.stream and call.upstream_sent:
+                    # The worker took the request and was generating: another attempt would
+                    # generate it all again (and a client could burn fleet compute for free).
+                    # No retry; the walk charges the reservation (gateway.app).
+                    call.worker, call.status, call.outcome = worker.name, 504, "upstream_timeout"
+                    log.warning(
+                        "request %s on %s: no response within timeouts.total_s",
+                        call.request_id,
+                        worker.name,
+                    )
+                    raise APIError(
+                        504,
+                        "The worker did not finish this request within the gateway's total "
+                        "timeout; stream the response to receive tokens as they are generated.",
+                        "upstream_error",
+                        code="upstream_timeout",
+                    ) from None
+                call.upstream_sent = False
                 last_error = APIError(
                     504 if timeout else 502,
-                    f"worker {worker.name} "
-                    + ("sent nothing before the first-byte timeout" if timeout else f"failed: {e}"),
+                    "The worker sent nothing before the first-byte timeout."
+                    if timeout
+                    else "The worker's response broke off before it started.",
                     "upstream_error",
                     code="upstream_timeout" if timeout else "upstream_error",
                 )
@@ -209,12 +244,16 @@ class Proxy:
     async def _send(self, call: Call, worker: Worker, timeout: float) -> UpstreamResponse:
         headers = {
             "content-type": "application/json",
+            # vLLM keys its own request by this header: ours is unique, a client's may not be.
             "x-request-id": call.request_id,
         }
+        if call.client_request_id is not None:
+            headers["x-client-request-id"] = call.client_request_id
         if worker.spec.api_key:
             headers["authorization"] = f"Bearer {worker.spec.api_key}"
         if timeout <= 0:
             raise TimeoutError
+        call.upstream_sent = True
         async with asyncio.timeout(timeout):
             return await self.client.post(worker.url + call.path, call.body, headers)
 
@@ -243,13 +282,14 @@ class Proxy:
         deadline: float,
     ) -> Response:
         try:
-            async with asyncio.timeout(max(0.0, min(t.first_byte_s, deadline - _now()))):
+            async with asyncio.timeout(max(0.0, deadline - _now())):
                 body = await resp.read()
         except BaseException:
             await resp.abort()
             raise
         await resp.release()
-        call.ttft = time.perf_counter() - call.t_start
+        # No call.ttft: a whole response has no first token, and its duration would pollute the
+        # TTFT histogram and the autoscaler's TTFT p95; it is recorded as e2e only.
         if resp.status == 200 and _USAGE_MARK in body:
             with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
                 call.usage = Usage.from_json(orjson.loads(body).get("usage"))
@@ -260,7 +300,8 @@ class Proxy:
         return Response(body, resp.status, headers=headers)
 
     def _headers(self, call: Call, worker: str, reason: str, settings: Settings) -> dict[str, str]:
-        h = {"x-request-id": call.request_id, "x-kvgate-worker": worker}
+        h = echo_headers(call.request_id, call.client_request_id)
+        h["x-kvgate-worker"] = worker
         if settings.server.debug_headers:
             d = call.route_debug
             scores = ";".join(f"{k}={v:.3f}" for k, v in (d.scores if d else {}).items())
@@ -346,12 +387,13 @@ class Proxy:
         m = self.metrics
         m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
         m.child(m.e2e, call.model).observe(e2e)
-        if call.ttft is not None and call.status == 200:
-            m.child(m.ttft, call.model, call.pool).observe(call.ttft)
+        if call.status == 200:
             u = call.usage
-            if u is not None and u.completion_tokens > 1:
-                tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
-                m.child(m.tpot, call.model, call.pool).observe(tpot)
+            if call.ttft is not None:  # streams only: a whole response has no first token
+                m.child(m.ttft, call.model, call.pool).observe(call.ttft)
+                if u is not None and u.completion_tokens > 1:
+                    tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
+                    m.child(m.tpot, call.model, call.pool).observe(tpot)
             if u is not None and call.route_debug is not None and call.route.chain:
                 self._record_prediction(call, call.route_debug, u.cached_tokens)
         if self._settings().logging.requests and reqlog.isEnabledFor(logging.INFO):
@@ -361,6 +403,7 @@ class Proxy:
                 extra={
                     "fields": {
                         "request_id": call.request_id,
+                        "client_request_id": call.client_request_id,
                         "model": call.model,
                         "path": call.path,
                         "worker": call.worker,
@@ -409,11 +452,17 @@ class RelayResponse(Response):
         self._t = timeouts
         self._deadline = deadline
         self._done = False
+        self._finished = False  # _complete ran: slot, lease and settlement are already settled
         self.cut: str | None = None  # set (then the task cancelled) to end the stream: shutdown
         self.stalled = False  # set (then the task cancelled) by _check_stall
         self._sending = 0.0  # perf_counter when the send in progress started; 0 = none
         self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4))
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._settling = False  # _complete is running: the stall check must not cancel it
+        self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
+        self._acked = -1  # bytes the client had acked at the last stall check
+        self._progress_at = 0.0  # perf_counter of the last stall check that saw progress
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self._call
@@ -430,13 +479,16 @@ class RelayResponse(Response):
 
         # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
         # the watcher cancels it the moment the client leaves.
-        watcher = asyncio.get_running_loop().create_task(watch())
+        watcher = self._watcher = asyncio.get_running_loop().create_task(watch())
         streams = self._proxy._streams
         streams[me] = self
-        self._stall_timer = asyncio.get_running_loop().call_later(
-            self._stall_every, self._check_stall, me
-        )
         try:
+            # Inside the try: whatever happens from here, the cleanup below settles the call.
+            self._acks = AckProbe.of(send)
+            self._progress_at = time.perf_counter()
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self._stall_every, self._check_stall, me
+            )
             await self._pump(send)
         except asyncio.CancelledError:
             if self.stalled and not gone:
@@ -467,12 +519,38 @@ class RelayResponse(Response):
                 await self._resp.release()
             else:
                 await self._resp.abort()
-            self._proxy._release(self._worker, call)
-            if not call.outcome:
-                call.outcome = "client_disconnect"
-            if call.outcome == "ok":
-                self._proxy.registry.passive_success(self._worker.name)
-            await self._proxy.finish(call)
+            if not self._finished:
+                if not call.outcome:
+                    call.outcome = "client_disconnect"
+                await self._complete()
+
+    async def _settle_before_done(self) -> None:
+        """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
+        disconnect watcher stops and the stall check holds off first, and a cancel either
+        already requested is taken now, so the cleanup in ``__call__`` settles instead."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            await asyncio.sleep(0)  # delivers the pending CancelledError
+        self._settling = True
+        try:
+            await self._complete()
+        finally:
+            self._settling = False
+
+    async def _complete(self) -> None:
+        """Free the worker slot, settle and record the request; once, at [DONE] or at the end."""
+        if self._finished:
+            return
+        self._finished = True
+        call = self._call
+        self._proxy._release(self._worker, call)
+        if self._done and not call.outcome:
+            call.outcome = "ok"
+        if call.outcome == "ok":
+            self._proxy.registry.passive_success(self._worker.name)
+        await self._proxy.finish(call)
 
     async def _pump(self, send: Send) -> None:
         call = self._call
@@ -495,6 +573,13 @@ class RelayResponse(Response):
                     call.events += out.count(b"\n\n")
                     if out.endswith(_DONE):
                         self._done = True
+                        # Everything is settled before the client sees the end: a client that
+                        # starts its next request on [DONE] must find its concurrency lease and
+                        # the worker's slot already free (else a false 429 at max_concurrent).
+                        if len(out) > len(_DONE):
+                            await self._send(send, out[: -len(_DONE)])
+                        await self._settle_before_done()
+                        out = _DONE
                     if out:
                         await self._send(send, out)
                 else:
@@ -517,14 +602,14 @@ class RelayResponse(Response):
                 raise UpstreamStreamError("worker closed the stream without [DONE]")
         except (UpstreamStreamError, TimeoutError) as e:
             reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
-            msg = (
-                "worker sent nothing for too long; stream ended by the gateway"
-                if isinstance(e, TimeoutError)
-                else f"worker stream failed: {e}"
-            )
+            # A stable message per reason: clients branch on it, and the transport's own words
+            # (aiohttp internals, addresses) belong in the log, not in a tenant's stream.
+            msg = _STREAM_ERRORS[reason]
             call.outcome = reason
             self._proxy.metrics.stream_errors.labels(reason).inc()
-            log.warning("request %s on %s: %s", call.request_id, call.worker, msg)
+            log.warning(
+                "request %s on %s: %s (%s)", call.request_id, call.worker, reason, e or type(e)
+            )
             # An event may have been cut in half; end it before the error event.
             tail = b"\n\n" if pending else b""
             await send(
@@ -556,9 +641,26 @@ class RelayResponse(Response):
         log.warning("request %s: client stopped reading; stream cut off", call.request_id)
 
     def _check_stall(self, task: asyncio.Task[Any]) -> None:
-        started = self._sending
+        """Cut off a client that stopped reading within ``client_stall_s`` of the last byte its
+        TCP stack accepted (``AckProbe``), however much the buffers between could still absorb;
+        a send blocked past that window (no probe) or past the total deadline cuts it too."""
         now = time.perf_counter()
-        if started and (now - started > self._t.client_stall_s or now > self._deadline):
+        started = self._sending
+        stalled = bool(started) and now > self._deadline and not self._settling
+        acks = self._acks
+        if acks is not None and not stalled:
+            try:
+                acked, queued = acks.read()
+            except OSError:  # the socket is gone: the disconnect watcher takes it from here
+                self._acks = acks = None
+            else:
+                if queued == 0 or acked != self._acked:
+                    self._acked, self._progress_at = acked, now
+                else:
+                    stalled = now - self._progress_at > self._t.client_stall_s
+        if acks is None and started and now - started > self._t.client_stall_s:
+            stalled = True
+        if stalled and not self._settling:
             self.stalled = True
             task.cancel()
             return

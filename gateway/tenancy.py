@@ -137,12 +137,68 @@ def estimate_prompt_tokens(path_is_chat: bool, data: dict[str, Any], chars_per_t
     return 1
 
 
-def apply_caps(
-    tenant: Tenant, model: str, data: dict[str, Any], prompt_tokens: int
-) -> tuple[int, bool]:
-    """Check the model allowlist and token caps; inject/cap max_tokens in `data`.
+# The fields a worker may read as the per-choice output limit. vLLM's chat endpoint uses
+# `max_completion_tokens or max_tokens`; its completions endpoint reads `max_tokens` only
+# (`max_completion_tokens` is an unknown field there, ignored). Caps apply to every one present:
+# a field the worker ignores today is harmless to cap, and one left uncapped is a bypass.
+OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")
+# vLLM's (and OpenAI's) /v1/completions default when `max_tokens` is absent. An explicit null,
+# and a chat request with neither field, mean "the rest of the context" (max_model_len - prompt).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-    Returns (max output tokens reserved, whether `data` changed). Raises the OpenAI error.
+
+def output_field(is_chat: bool, data: dict[str, Any]) -> str:
+    """The field the worker reads its per-choice output limit from, as vLLM does."""
+    if is_chat and data.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def prompt_count(is_chat: bool, data: dict[str, Any]) -> int:
+    """Prompts in one request: a completions `prompt` may be a batch (strings or token lists),
+    each generating its own choices."""
+    if is_chat:
+        return 1
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1  # a string, or one prompt of token ids
+
+
+def choices_per_prompt(data: dict[str, Any]) -> int:
+    """Sequences the worker generates per prompt: `n`, or `best_of` when larger (vLLM generates
+    best_of and returns the n best). Beam search keeps `n` beams (its beam width)."""
+    n = data.get("n") or 1
+    best_of = data.get("best_of") or 1
+    return max(n, best_of) if isinstance(n, int) and isinstance(best_of, int) else 1
+
+
+def output_tokens(is_chat: bool, data: dict[str, Any]) -> int:
+    """Output tokens a request may generate, for a gateway without tenants (nothing is capped or
+    injected): choices x prompts x the per-choice limit the worker will apply; 0 when that limit
+    is "the rest of the context", which only the worker knows."""
+    key = output_field(is_chat, data)
+    per_choice = data.get(key)
+    if per_choice is None:
+        if is_chat or key in data:
+            return 0
+        per_choice = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not isinstance(per_choice, int):
+        return 0
+    return per_choice * choices_per_prompt(data) * prompt_count(is_chat, data)
+
+
+def apply_caps(
+    tenant: Tenant, model: str, data: dict[str, Any], prompt_tokens: int, *, is_chat: bool
+) -> tuple[int, bool]:
+    """Check the model allowlist, input, choice and output caps; cap or inject the output limit
+    in `data` so that what the worker generates is what the tenant is charged for.
+
+    Every output-limit field present is capped (or refused, `over_max_output = "reject"`); when
+    the field the worker reads is absent the tenant's `default_max_tokens` (within the cap) is
+    injected as `max_tokens`, which both endpoints read, so no request runs to "the rest of the
+    context" unreserved. Returns (output tokens to reserve: per-choice limit x choices x prompts,
+    whether `data` changed). Raises the OpenAI error before any quota is taken.
     """
     cfg = tenant.cfg
     if cfg.models and model not in cfg.models:
@@ -152,28 +208,34 @@ def apply_caps(
         raise bad_request(
             f"This request's prompt is about {prompt_tokens} tokens; the limit for your key is "
             f"{cfg.max_input_tokens} input tokens.",
-            "messages" if "messages" in data else "prompt",
+            "messages" if is_chat else "prompt",
+        )
+    choices = choices_per_prompt(data)
+    if choices > cfg.max_n:
+        key = "best_of" if (data.get("best_of") or 0) > (data.get("n") or 1) else "n"
+        raise bad_request(
+            f"`{key}` is {choices}; the limit for your key is {cfg.max_n} choices per prompt.",
+            key,
         )
     changed = False
-    key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
-    asked = data.get(key)
-    if asked is None:
-        out = cfg.default_max_tokens
-        if cfg.max_output_tokens is not None:
-            out = min(out, cfg.max_output_tokens)
-        data["max_tokens"] = out
+    cap = cfg.max_output_tokens
+    if cap is not None:
+        for key in OUTPUT_FIELDS:
+            asked = data.get(key)
+            if asked is not None and asked > cap:
+                if cfg.over_max_output == "reject":
+                    raise bad_request(
+                        f"`{key}` is {asked}; the limit for your key is {cap} output tokens.", key
+                    )
+                data[key] = cap
+                changed = True
+    key = output_field(is_chat, data)
+    out = data.get(key)
+    if out is None:
+        out = cfg.default_max_tokens if cap is None else min(cfg.default_max_tokens, cap)
+        data["max_tokens"] = out  # on chat, `max_completion_tokens` is absent here
         changed = True
-    else:
-        out = int(asked)
-        if cfg.max_output_tokens is not None and out > cfg.max_output_tokens:
-            if cfg.over_max_output == "reject":
-                raise bad_request(
-                    f"`{key}` is {out}; the limit for your key is {cfg.max_output_tokens}.", key
-                )
-            out = cfg.max_output_tokens
-            data[key] = out
-            changed = True
     if tenant.cfg.isolate_cache:
         data["cache_salt"] = tenant.cache_salt
         changed = True
-    return out, changed
+    return int(out) * choices * prompt_count(is_chat, data), changed

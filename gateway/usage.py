@@ -4,8 +4,11 @@ Sinks: a Redis stream (`XADD ... MAXLEN ~ N`, shared by every replica; consume w
 consumer group) or a JSONL file for single-replica setups. Fields are flat strings so the stream
 reads the same in any Redis client:
 
-    request_id, tenant, model, worker, status, outcome, prompt_tokens, cached_tokens,
-    completion_tokens, charged_tokens, ttft_ms, duration_ms, ts (unix seconds)
+    request_id, client_request_id, tenant, model, worker, status, outcome, prompt_tokens,
+    cached_tokens, completion_tokens, charged_tokens, ttft_ms, duration_ms, ts (unix seconds)
+
+`request_id` is the gateway's own id, unique per request (gateway.ids); `client_request_id` is
+whatever the client sent as `x-request-id` (empty when none), a label that clients may reuse.
 
 Billing export must never fail a user request, and must not lose records to a Redis restart:
 while the stream is unreachable, records wait in a bounded in-process buffer (oldest dropped past

@@ -1,11 +1,19 @@
 """Request bodies: size-capped read, one JSON parse, and the checks that must hold before any
 worker sees the request. Unknown fields are kept and forwarded: vLLM grows extensions
 (`ignore_eos`, `cache_salt`, ...) faster than a gateway should track them.
+
+The known fields OpenAI answers with a 400 when malformed (message roles and content, tools,
+sampling bounds, output limits, `n`/`best_of`, `stop`, `seed`, logprobs) are checked here, on the
+parsed dict, with `param` naming the field as OpenAI does: a bad request refused by the worker
+has already taken a queue slot, a quota reservation and a worker round trip, and some (`n` that
+is not an int, a non-numeric limit) would otherwise break the gateway's own accounting. Only type
+and range checks that cost a few lookups: no schema model of the whole body.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,13 +113,14 @@ def _is_int(v: Any) -> bool:
 
 
 def _check_prompt(prompt: Any) -> bool:
+    # vLLM refuses an empty prompt ("The decoder prompt cannot be empty"), also inside a list.
     if isinstance(prompt, str):
-        return True
+        return bool(prompt)
     if not isinstance(prompt, list) or not prompt:
         return False
     first = prompt[0]
     if isinstance(first, str):
-        return all(isinstance(p, str) for p in prompt)
+        return all(isinstance(p, str) and p for p in prompt)
     if _is_int(first):
         return all(_is_int(p) and p >= 0 for p in prompt)
     if isinstance(first, list):
@@ -119,7 +128,229 @@ def _check_prompt(prompt: Any) -> bool:
     return False
 
 
+# What OpenAI accepts as a message role (vLLM renders any string, but a role the chat template
+# does not know is silently dropped or garbled by most templates: a 400 is the honest answer).
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+# Roles whose `content` may be null or absent: an assistant turn that only calls tools, and the
+# legacy function result (OpenAI types it `string | null`).
+_NULL_CONTENT_OK = frozenset({"assistant", "function"})
+# Sampling bounds OpenAI enforces with a 400 (vLLM refuses the same or a subset): field ->
+# (low, high, low inclusive).
+_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, True),
+    "top_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, True),
+    "frequency_penalty": (-2.0, 2.0, True),
+}
+_INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed range (a torch long)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a decimal"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _invalid_type(param: str, expected: str, got: Any) -> APIError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {_type_name(got)} instead.",
+        param,
+    )
+
+
+def _check_messages(msgs: Any) -> None:
+    """Each message: a known role, content of a shape a chat template can render, tool calls a
+    list of objects. Runs on every chat request, so the usual message (a role and string content,
+    nothing else) costs three lookups; anything else gets the full check."""
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_request("`messages` must be a non-empty array", "messages")
+    for i, m in enumerate(msgs):
+        if (
+            type(m) is dict
+            and len(m) == 2
+            and type(m.get("content")) is str
+            and type(role := m.get("role")) is str
+            and role in ROLES
+        ):
+            continue
+        _check_message(i, m)
+
+
+def _check_message(i: int, m: Any) -> None:
+    if not isinstance(m, dict):
+        raise _invalid_type(f"messages[{i}]", "an object", m)
+    role = m.get("role")
+    if role is None:
+        raise bad_request(
+            f"Missing required parameter: 'messages[{i}].role'.", f"messages[{i}].role"
+        )
+    if not isinstance(role, str) or role not in ROLES:
+        shown = repr(role) if isinstance(role, str) else _type_name(role)
+        raise bad_request(
+            f"Invalid value for 'messages[{i}].role': {shown[:64]}. Supported values are: "
+            "'system', 'assistant', 'user', 'function', 'tool', and 'developer'.",
+            f"messages[{i}].role",
+        )
+    content = m.get("content")
+    if content is None:
+        if role not in _NULL_CONTENT_OK or (
+            role == "assistant" and not m.get("tool_calls") and not m.get("function_call")
+        ):
+            raise bad_request(
+                f"Missing required parameter: 'messages[{i}].content' (only an assistant "
+                "message with `tool_calls` may omit it).",
+                f"messages[{i}].content",
+            )
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(
+                    f"Invalid 'messages[{i}].content[{j}]': a content part must be an "
+                    "object with a string `type`.",
+                    f"messages[{i}].content[{j}]",
+                )
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise _invalid_type(
+                    f"messages[{i}].content[{j}].text", "a string", part.get("text")
+                )
+    elif not isinstance(content, str):
+        raise _invalid_type(
+            f"messages[{i}].content", "one of a string or array of objects", content
+        )
+    calls = m.get("tool_calls")
+    if calls is not None and (
+        not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)
+    ):
+        raise _invalid_type(f"messages[{i}].tool_calls", "an array of objects", calls)
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _invalid_type(f"messages[{i}].name", "a string", name)
+
+
+def _check_tools(tools: Any) -> None:
+    """vLLM builds a guided-decoding schema from these: a malformed entry would fail there, after
+    the request took a queue slot and a reservation."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise _invalid_type("tools", "an array of objects", tools)
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise _invalid_type(f"tools[{i}]", "an object", t)
+        kind = t.get("type", "function")
+        if not isinstance(kind, str):
+            raise _invalid_type(f"tools[{i}].type", "a string", kind)
+        if kind != "function":
+            continue  # newer tool kinds (OpenAI "custom"): the worker decides
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(
+                f"Invalid 'tools[{i}].function': expected an object with a non-empty string "
+                "`name`.",
+                f"tools[{i}].function",
+            )
+
+
+def _check_n_best_of(data: dict[str, Any]) -> None:
+    n, best_of = data.get("n"), data.get("best_of")
+    if type(best_of) is int and type(n) is int and best_of < n:
+        raise bad_request(
+            f"`best_of` ({best_of}) must be greater than or equal to `n` ({n}).", "best_of"
+        )
+
+
+def _out_of_bounds(key: str, v: Any) -> APIError:
+    if not _is_number(v):
+        return _invalid_type(key, "a number", v)
+    lo, hi, lo_ok = _BOUNDS[key]
+    low = f">= {lo:g}" if lo_ok else f"> {lo:g}"
+    return bad_request(
+        f"Invalid '{key}': expected a value {low} and <= {hi:g}, but got {v} instead.", key
+    )
+
+
+def _seed(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if not _is_int(v) or not _INT64[0] <= v <= _INT64[1]:
+        raise bad_request("`seed` must be an integer in the signed 64-bit range", "seed")
+
+
+def _stop(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))):
+        raise _invalid_type("stop", "a string or an array of strings", v)
+
+
+def _bool(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if not isinstance(v, bool):
+        raise _invalid_type(key, "a boolean", v)
+
+
+def _logprobs(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if chat:
+        _bool(key, v, data, chat)
+    elif not _is_int(v) or v < 0:
+        # On /v1/completions `logprobs` is the number of top tokens, not a switch.
+        raise bad_request("`logprobs` must be a non-negative integer", "logprobs")
+
+
+def _top_logprobs(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if not chat:
+        return  # not a completions field: passed through like any unknown one
+    if not _is_int(v) or v < 0:
+        raise bad_request("`top_logprobs` must be a non-negative integer", "top_logprobs")
+    if v > 0 and data.get("logprobs") is not True:
+        raise bad_request(
+            "`logprobs` must be set to true when `top_logprobs` is used.", "top_logprobs"
+        )
+
+
+_POSITIVE_INTS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of"})
+# The rarer scalar fields OpenAI refuses with a 400 when malformed: field -> check(key, value,
+# body, chat). The frequent ones (output limits, sampling bounds) are checked inline.
+_CHECKS: dict[str, Callable[[str, Any, dict[str, Any], bool], None]] = {
+    "seed": _seed,
+    "stop": _stop,
+    "use_beam_search": _bool,
+    "logprobs": _logprobs,
+    "top_logprobs": _top_logprobs,
+}
+
+
+def _check_sampling(data: dict[str, Any], chat: bool) -> None:
+    """Walks the body's own keys (a handful) rather than every checked field, so a request pays
+    only for the fields it sets; `type(v) is int` also refuses booleans. Null means "not set"."""
+    for key, v in data.items():
+        if v is None:
+            continue
+        if key in _POSITIVE_INTS:
+            if type(v) is not int or v < 1:
+                raise bad_request(f"`{key}` must be a positive integer", key)
+            if key == "best_of" or (key == "n" and "best_of" in data):
+                _check_n_best_of(data)
+        elif (bounds := _BOUNDS.get(key)) is not None:
+            t = type(v)
+            lo, hi, lo_ok = bounds
+            if (t is not float and t is not int) or v > hi or v < lo or (v == lo and not lo_ok):
+                raise _out_of_bounds(key, v)
+        elif (check := _CHECKS.get(key)) is not None:
+            check(key, v, data, chat)
+
+
 def parse_request(path: str, raw: bytes) -> ParsedRequest:
+    """Parse once and check the body for `path`; raises the OpenAI 400 envelope (as APIError)."""
     if not raw:
         raise bad_request("Request body is empty; expected a JSON object")
     try:
@@ -136,26 +367,22 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request("you must provide a model parameter", "model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` must be a non-empty string", "model")
-    if path == CHAT:
-        msgs = data.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise bad_request("`messages` must be a non-empty array", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad_request(f"`messages[{i}]` must be an object with a `role`", "messages")
+    chat = path == CHAT
+    if chat:
+        _check_messages(data.get("messages"))
+        _check_tools(data.get("tools"))
     elif not _check_prompt(data.get("prompt")):
         raise bad_request(
-            "`prompt` must be a string, an array of strings, or an array of token ids", "prompt"
+            "`prompt` must be a non-empty string, an array of non-empty strings, or an array of "
+            "token ids",
+            "prompt",
         )
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("`stream` must be a boolean", "stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        v = data.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
-            raise bad_request(f"`{key}` must be a positive integer", key)
+    _check_sampling(data, chat)
     opts = data.get("stream_options")
     wants_usage = False
     if opts is not None:

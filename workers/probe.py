@@ -5,6 +5,9 @@ and lists the model; `/metrics` feeds the load and KV signals but its absence is
 (OpenAI-compatible servers without Prometheus still serve). Ejected workers are re-probed with
 exponential backoff so a dead host is not hammered.
 
+Health transitions are logged by the registry's `on_change` hook (the gateway's), once per
+transition whatever caused it; the prober does not log them a second time.
+
 Deep probes (`deep_every` > 0): a process can answer `/health` while its engine cannot generate
 (a wedged scheduler, a broken CUDA context behind a still-running HTTP frontend), and that is not
 capacity. Every `deep_every`-th probe of a healthy worker therefore also asks for one token
@@ -85,9 +88,14 @@ class Prober:
                 self._tasks[name] = asyncio.create_task(self._loop(name), name=f"probe-{name}")
 
     def poke(self, name: str) -> None:
-        """Probe now (a passive failure suggests the worker may have died)."""
+        """Probe now (a passive failure suggests the worker may have died).
+
+        Not while the worker is held out by an ejection: no probe can readmit it before the hold
+        ends, and its next scheduled probe is already the one at the end of the hold. (Before
+        holds, this poke readmitted a worker that failed every request but answered `/health`
+        within milliseconds of each ejection.)"""
         ev = self._wake.get(name)
-        if ev is not None:
+        if ev is not None and not self.registry.held(name):
             ev.set()
 
     async def stop(self) -> None:
@@ -122,24 +130,15 @@ class Prober:
             async with asyncio.timeout(self.timeout_s):
                 models, metrics = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
-            err = _describe(e)
-            was = w.health
-            self.registry.probe_failed(name, err)
-            if w.health is not was:
-                log.warning("worker %s -> %s (%s)", name, w.health, err)
+            self.registry.probe_failed(name, _describe(e))
             ok = False
         else:
             deep_err = await self._maybe_deep(w, models)
-            was = w.health
             if deep_err is not None:
                 self.registry.probe_failed(name, deep_err, models, metrics)
-                if w.health is not was:
-                    log.warning("worker %s -> %s (%s)", name, w.health, deep_err)
                 ok = False
             else:
                 self.registry.probe_ok(name, models, metrics)
-                if w.health is not was:
-                    log.info("worker %s -> %s (models: %s)", name, w.health, sorted(w.models))
                 ok = True
         if self.on_probe is not None:
             self.on_probe(w, ok, time.perf_counter() - t0)

@@ -3,11 +3,25 @@
 State changes are plain synchronous methods (no I/O) so the health state machine is tested
 directly; `workers.probe` and the proxy feed it outcomes.
 
-    starting --probe ok--> healthy --N consecutive failures--> unhealthy
+    starting --probe ok--> healthy --N consecutive probe failures--> unhealthy
     unhealthy --M consecutive probe successes (re-probed with backoff)--> healthy
+    healthy --N consecutive request failures, or the breaker--> unhealthy, held (ejection)
+    held --hold over, then M probe successes--> half_open
+    half_open --a proxied request succeeds--> healthy
+    half_open --a proxied request fails--> unhealthy, held twice as long
 
-Passive failures (a proxied request that could not connect or got a 5xx) count toward the same N,
-so a dead worker is ejected at the speed of traffic rather than at the speed of probes.
+Passive failures (a proxied request that could not connect, got a 5xx or timed out before its
+first byte) count toward the same N, so a dead worker is ejected at the speed of traffic rather
+than at the speed of probes. Probe successes do not reset the passive streak: a worker can answer
+`/health` and fail every request, and that worker must not be saved by its own health check.
+
+A worker that went out because *requests* failed is not readmitted by `/health` (issue 14: it
+answered 200 there, was readmitted ~40 ms after each ejection, flapped 13 times a second and a
+third of the requests needed a retry). It is held out like a breaker ejection, then goes
+**half-open**: it takes at most `half_open_requests` requests at once and is healthy again only
+when one of them succeeds (first byte of a stream, or a whole non-5xx response); a failed one ejects
+it again with a doubled hold. A worker that went out through failed probes alone (nothing it was
+sent failed) is readmitted by probes as before: it has shown no request failure to re-test.
 
 Protections on top of that state machine (issue 9):
 
@@ -23,11 +37,16 @@ Protections on top of that state machine (issue 9):
   above its peers' (thermal throttling, a bad NIC, a noisy neighbour) is answering, just slowly,
   so neither rule above sees it.
 
-Breaker and outlier ejections hold the worker out for an ejection time that doubles on each
-repeated ejection (`backoff_initial_s` up to `backoff_max_s`): probes that succeed before it runs
-out do not readmit it. The first probe after it is the half-open check (with deep probes on, it
-generates a token); a readmitted worker starts with a clean error window and no TTFT samples, so it
-is judged on fresh traffic only.
+Every ejection (request failures, breaker, outlier) holds the worker out for an ejection time that
+doubles on each repeated ejection (`backoff_initial_s` up to `backoff_max_s`; a worker that then
+stays healthy for `backoff_max_s` starts a fresh series): probes that succeed before it runs out do
+not readmit it. After a request-failure or breaker ejection the trial is a real request
+(half-open, above), and a worker readmitted from it starts with a clean error window: the
+ejection acted on that evidence, and the ejection count, not the window, makes a relapse back off.
+An outlier ejection ends with the first successful probe after the hold (with deep probes on, it
+generates a token): one request could not show that it is no longer slow, fresh TTFT samples do.
+A readmission after probe failures alone keeps the error window, so a worker flapping its health
+check cannot wipe the breaker's evidence.
 """
 
 from __future__ import annotations
@@ -46,7 +65,16 @@ from workers.vllm_metrics import WorkerMetrics
 class Health(enum.StrEnum):
     STARTING = "starting"
     HEALTHY = "healthy"
+    # On trial after a request-failure ejection: routable for `half_open_requests` at a time.
+    HALF_OPEN = "half_open"
     UNHEALTHY = "unhealthy"
+
+
+# Ejections for failed requests: readmitted through a half-open trial request, not by probes.
+_TRIAL_REASONS = frozenset({"failures", "breaker"})
+# Exponent cap of the ejection backoff: 2**60 x any base is past every backoff_max_s, and a float
+# power of a larger count would overflow after days of a worker failing every trial.
+_MAX_DOUBLINGS = 60
 
 
 def _median(xs: list[float]) -> float:
@@ -84,15 +112,18 @@ class Worker:
     sent_tokens_since_scrape: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    # Proxied requests failed since the last proxied success (probe successes do not reset it).
+    passive_streak: int = 0
     backoff_s: float = 0.0
     last_error: str = ""
     last_probe_at: float = 0.0
     last_change_at: float = field(default_factory=time.monotonic)
     # Operator drain: no new requests, in-flight ones finish, probes go on.
     draining: bool = False
-    # Breaker/outlier ejection: not readmitted before this (registry clock); why; how many in a row.
+    # Held ejection: not readmitted before this (registry clock); why; how many in a row. The
+    # reason stays through half-open, until a trial request succeeds.
     ejected_until: float = 0.0
-    ejection_reason: str = ""  # "" | "breaker" | "outlier"
+    ejection_reason: str = ""  # "" | "failures" | "breaker" | "outlier"
     ejections: int = 0
     # Last passive success (registry clock): proof of generation the deep probe need not repeat.
     last_success_at: float = 0.0
@@ -122,6 +153,27 @@ class Worker:
         """Failure share of the breaker window (0 when empty)."""
         n = len(self.outcomes)
         return self.outcome_failures / n if n else 0.0
+
+    def change_message(self, was: Health) -> str:
+        """The log line for the transition from `was` to the current state (the registry's
+        `on_change` hook logs it): one per transition, saying why, and for an ejection how many in
+        a row and for how long, so a flapping or relapsing worker reads as such."""
+        name = self.spec.name
+        if self.health is Health.UNHEALTHY and self.ejected_until > self.last_change_at:
+            hold = self.ejected_until - self.last_change_at
+            return (
+                f"worker {name} ejected ({self.ejection_reason}, ejection {self.ejections} in a "
+                f"row, held {hold:g}s): {self.last_error}"
+            )
+        if self.health is Health.HALF_OPEN:
+            return (
+                f"worker {name} -> half_open after its {self.ejection_reason} ejection: back once "
+                "a trial request succeeds"
+            )
+        if self.health is Health.HEALTHY:
+            why = "a trial request succeeded" if was is Health.HALF_OPEN else "probe ok"
+            return f"worker {name} -> healthy ({why}; models: {sorted(self.models)})"
+        return f"worker {name} -> {self.health} ({self.last_error})"
 
     def ttft_median(self) -> float | None:
         """Median of the TTFT window; a median, not a mean, so that a few slow prefills of long
@@ -168,7 +220,8 @@ class Registry:
 
     Knobs are plain attributes; `configure` changes them on a config reload. Every protection is
     off when its main knob is 0: `breaker_window` / `breaker_error_rate` for the breaker,
-    `outlier_factor` / `outlier_max_fraction` for TTFT outliers.
+    `outlier_factor` / `outlier_max_fraction` for TTFT outliers. `half_open_requests` is how many
+    requests a half-open worker may have in flight at once.
     """
 
     def __init__(
@@ -179,6 +232,7 @@ class Registry:
         healthy_after: int = 1,
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 30.0,
+        half_open_requests: int = 1,
         breaker_window: int = 20,
         breaker_error_rate: float = 0.5,
         breaker_min_requests: int = 10,
@@ -199,6 +253,7 @@ class Registry:
         self.healthy_after = healthy_after
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.half_open_requests = half_open_requests
         self.breaker_window = breaker_window
         self.breaker_error_rate = breaker_error_rate
         self.breaker_min_requests = breaker_min_requests
@@ -221,6 +276,7 @@ class Registry:
             "healthy_after",
             "backoff_initial_s",
             "backoff_max_s",
+            "half_open_requests",
             "breaker_window",
             "breaker_error_rate",
             "breaker_min_requests",
@@ -296,17 +352,32 @@ class Registry:
 
     # -- queries -----------------------------------------------------------------------------
     def candidates(self, model: str) -> list[Worker]:
-        """Workers that may take a new request for `model`: healthy, serving it, not draining."""
+        """Workers that may take a new request for `model`: serving it, not draining, and healthy,
+        or half-open with fewer than `half_open_requests` in flight (its trial: the proxy counts
+        in_flight before it awaits anything, so no two picks see the same free trial slot)."""
+        trials = self.half_open_requests
         return [
             w
             for w in self.workers.values()
-            if w.health is Health.HEALTHY and not w.draining and model in w.models
+            if (
+                w.health is Health.HEALTHY
+                or (w.health is Health.HALF_OPEN and w.in_flight < trials)
+            )
+            and not w.draining
+            and model in w.models
         ]
 
     def healthy(self) -> list[Worker]:
-        """Workers in the HEALTHY state, draining ones included (they still serve in-flight
-        requests); filter on `draining` for "can take new work"."""
-        return [w for w in self.workers.values() if w.health is Health.HEALTHY]
+        """Workers that take traffic: HEALTHY, and HALF_OPEN ones (on trial), draining ones
+        included (they still serve in-flight requests); filter on `draining` for "can take new
+        work". Half-open counts because only traffic can end a trial: a fleet all on trial must
+        stay ready (/ready) and list its models, or no request would ever come to readmit it."""
+        return [w for w in self.workers.values() if w.health in (Health.HEALTHY, Health.HALF_OPEN)]
+
+    def held(self, name: str) -> bool:
+        """Inside an ejection's hold: nothing a probe says can readmit it before the hold ends."""
+        w = self.workers.get(name)
+        return w is not None and w.health is Health.UNHEALTHY and self.clock() < w.ejected_until
 
     def served_models(self) -> dict[str, dict[str, object]]:
         """Model id -> card, over healthy workers (the first worker's card wins)."""
@@ -326,22 +397,29 @@ class Registry:
         cards: list[dict[str, object]] | None,
         metrics: WorkerMetrics | None,
     ) -> None:
+        """A successful probe. Readmits a worker that went out through probes; after a held
+        ejection only once the hold is over, and after one for failed requests only to half-open
+        (`/health` said 200 all along while its requests failed: a probe proves nothing there).
+        It never resets the passive streak, for the same reason."""
         w = self.workers.get(name)
         if w is None:
             return
         self._probe_data(w, cards, metrics)
         w.consecutive_failures = 0
         w.consecutive_successes += 1
-        if not w.ejection_reason:  # held out by the breaker/outlier rule: keep saying why
+        if not w.ejection_reason:  # held out or on trial: keep saying why
             w.last_error = ""
         if (
-            w.health is not Health.HEALTHY
+            w.health in (Health.STARTING, Health.UNHEALTHY)
             and w.consecutive_successes >= self.healthy_after
             and self.clock() >= w.ejected_until
         ):
-            self._set(w, Health.HEALTHY)
             w.backoff_s = 0.0
-            w.last_error = ""
+            if w.ejection_reason in _TRIAL_REASONS:
+                self._set(w, Health.HALF_OPEN)
+            else:
+                w.last_error = ""
+                self._set(w, Health.HEALTHY)
 
     def probe_failed(
         self,
@@ -378,17 +456,31 @@ class Registry:
 
     # -- passive outcomes (proxied requests) -------------------------------------------------
     def passive_failure(self, name: str, error: str) -> None:
-        """A proxied request failed before its first byte (connect error, 5xx, timeout)."""
+        """A proxied request failed before its first byte (connect error, 5xx, timeout).
+
+        A healthy worker is ejected, held, after `unhealthy_after` in a row (or by the breaker);
+        a half-open one has failed its trial and is ejected again at once, held twice as long.
+        Failures reported for a worker already out are requests sent before it went out: counted,
+        but its state and the reason it gives stay."""
         w = self.workers.get(name)
         if w is None:
             return
-        if w.health is Health.HEALTHY:
-            self._record_outcome(w, failed=True)
-        why = w.last_error
-        self._fail(w, error)
-        if w.ejection_reason:  # late failures of requests sent before the ejection
-            w.last_error = why
-        if w.health is Health.HEALTHY and self._breaker_open(w):
+        w.consecutive_successes = 0
+        w.consecutive_failures += 1
+        w.passive_streak += 1
+        if w.health is Health.HALF_OPEN:
+            self._eject(w, w.ejection_reason or "failures", f"trial request failed: {error}")
+            return
+        if w.health is not Health.HEALTHY:
+            if not w.ejection_reason:
+                w.last_error = error
+            return
+        w.last_error = error
+        self._record_outcome(w, failed=True)
+        n = self.unhealthy_after
+        if w.passive_streak >= n or w.consecutive_failures >= n:
+            self._eject(w, "failures", self._streak_error(w, error))
+        elif self._breaker_open(w):
             self._eject(
                 w,
                 "breaker",
@@ -397,11 +489,34 @@ class Registry:
             )
 
     def passive_success(self, name: str) -> None:
+        """A proxied request succeeded (a whole response below 500, or a stream that ended well).
+        On a half-open worker that is the trial passing: it is healthy again."""
         w = self.workers.get(name)
-        if w is not None and w.health is Health.HEALTHY:
-            w.consecutive_failures = 0
-            w.last_success_at = self.clock()
-            self._record_outcome(w, failed=False)
+        if w is None or w.health not in (Health.HEALTHY, Health.HALF_OPEN):
+            return
+        self._succeeded(w)
+        self._record_outcome(w, failed=False)
+
+    def _succeeded(self, w: Worker) -> None:
+        """A proxied request got its answer: the failure streaks end, and a trial passes."""
+        w.consecutive_failures = 0
+        w.passive_streak = 0
+        w.last_success_at = self.clock()
+        if w.health is Health.HALF_OPEN:
+            # The ejection acted on the window's failures; a relapse backs off by the ejection
+            # count instead (kept until the worker stays in for backoff_max_s).
+            w.outcomes.clear()
+            w.outcome_failures = 0
+            w.last_error = ""
+            self._set(w, Health.HEALTHY)
+
+    def _streak_error(self, w: Worker, error: str) -> str:
+        probes = w.consecutive_failures - w.passive_streak
+        if probes > 0:
+            n = w.consecutive_failures
+            return f"{n} failures in a row, {probes} of them probes (last: {error})"
+        n = w.passive_streak
+        return f"{n} request{'s' if n != 1 else ''} failed in a row (last: {error})"
 
     def _record_outcome(self, w: Worker, *, failed: bool) -> None:
         if self.breaker_window <= 0:
@@ -428,7 +543,14 @@ class Registry:
         Cheap on the hot path: the fleet-wide comparison runs at most every `outlier_check_s`.
         Returns the workers ejected by that comparison, if it ran (usually none)."""
         w = self.workers.get(name)
-        if w is None or w.health is not Health.HEALTHY or not self._outliers_on():
+        if w is None:
+            return []
+        if w.health is Health.HALF_OPEN:
+            # First byte from a trial request: the worker answers again. Passing here, not at the
+            # end of the stream, keeps the trial as short as a TTFT: a fleet all on trial has one
+            # request slot per worker until then.
+            self._succeeded(w)
+        if w.health is not Health.HEALTHY or not self._outliers_on():
             return []
         w.ttfts.append(seconds)
         while len(w.ttfts) > max(1, self.outlier_window):
@@ -505,35 +627,49 @@ class Registry:
 
     # -- transitions -------------------------------------------------------------------------
     def _fail(self, w: Worker, error: str) -> None:
+        """A failed probe. Reaching `unhealthy_after` with request failures among them is an
+        ejection for failed requests (held, then half-open); with probes alone, plain UNHEALTHY
+        that probes readmit."""
         w.consecutive_successes = 0
         w.consecutive_failures += 1
         w.last_error = error
-        if w.health is not Health.UNHEALTHY and w.consecutive_failures >= self.unhealthy_after:
+        if w.health is Health.UNHEALTHY or w.consecutive_failures < self.unhealthy_after:
+            return
+        if w.health is Health.HEALTHY and w.passive_streak:
+            self._eject(w, "failures", self._streak_error(w, error))
+        else:
+            # From half-open the reason stays: readmission goes through a trial again.
             self._set(w, Health.UNHEALTHY)
 
     def _eject(self, w: Worker, reason: str, error: str) -> None:
-        """Breaker/outlier ejection: UNHEALTHY for an ejection time that doubles with each
-        ejection in a row. A worker that stayed in for longer than the longest ejection since
-        its last one starts a fresh series: that is a new incident, not the same one."""
+        """Held ejection: UNHEALTHY for an ejection time that doubles with each ejection in a
+        row. A worker that stayed healthy for longer than the longest ejection since its last
+        one starts a fresh series: that is a new incident, not the same one (a half-open worker
+        has not been back at all: its failed trial continues the series)."""
         now = self.clock()
-        if w.ejections and now - w.last_change_at > self.backoff_max_s:
+        if (
+            w.ejections
+            and w.health is Health.HEALTHY
+            and now - w.last_change_at > self.backoff_max_s
+        ):
             w.ejections = 0
         w.ejections += 1
-        hold = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (w.ejections - 1))
+        doublings = min(w.ejections - 1, _MAX_DOUBLINGS)
+        hold = min(self.backoff_max_s, self.backoff_initial_s * 2.0**doublings)
         w.ejected_until = now + hold
         w.ejection_reason = reason
         w.last_error = error
         w.consecutive_successes = 0
-        self._set(w, Health.UNHEALTHY)
+        self._set(w, Health.UNHEALTHY, now)
 
-    def _set(self, w: Worker, health: Health) -> None:
+    def _set(self, w: Worker, health: Health, now: float | None = None) -> None:
         was = w.health
         w.health = health
-        w.last_change_at = self.clock()
+        w.last_change_at = self.clock() if now is None else now
         if health is Health.HEALTHY:
-            # A (re)admitted worker is judged on fresh traffic only.
-            w.outcomes.clear()
-            w.outcome_failures = 0
+            # TTFT samples from before it went out are not this worker's speed now (and an
+            # outlier ejection acted on them). The error window is cleared where an ejection
+            # acted on it (`_succeeded`), not here: probe flaps must not wipe it.
             w.ttfts.clear()
             w.ejection_reason = ""
             w.ejected_until = 0.0
@@ -542,7 +678,7 @@ class Registry:
 
     def next_probe_delay(self, name: str, interval_s: float) -> float:
         """Seconds until `name`'s next probe: the interval, or longer while it is ejected (probe
-        backoff, or the rest of a breaker/outlier ejection)."""
+        backoff, or the rest of a held ejection)."""
         w = self.workers.get(name)
         if w is None or w.health is not Health.UNHEALTHY:
             return interval_s

@@ -39,9 +39,10 @@ from bench.traces import (
 )
 from workers.sim.tokenizer import encode
 
-# Hand-made files in the exact formats of ../shared/traces (which the repo must not copy and CI
-# may not have): Mooncake JSONL with prefix-tree hash ids, the Azure CSV header and timestamp
-# format, and a weka-agentic session file.
+# Hand-made files in the exact formats of the sample traces in bench/data/traces (small, and each
+# test controls the case it needs): Mooncake JSONL with prefix-tree hash ids, the Azure CSV header
+# and timestamp format, and a weka-agentic session file. The shipped samples themselves are
+# checked in test_self_contained.py.
 
 
 def _mooncake(dst: Path, lines: int) -> Path:

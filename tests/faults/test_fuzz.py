@@ -102,7 +102,7 @@ def check(
         if rid is not None and _RID_OK.match(rid):
             assert r.headers["x-request-id"] == rid, what
         else:
-            assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]), what
+            assert re.fullmatch(r"kvg-[0-9a-f]{12}-[0-9a-f]+", r.headers["x-request-id"]), what
     if r.status != 200:
         assert_openai_error(r.status, ctype, r.body)
         return
@@ -189,7 +189,7 @@ tool = st.fixed_dictionaries(
 common_optional = {
     "max_tokens": st.integers(1, 12),
     "temperature": st.floats(0, 2),
-    "top_p": st.floats(0, 1),
+    "top_p": st.floats(0, 1, exclude_min=True),  # vLLM and OpenAI refuse 0
     "n": st.just(1),
     "stop": st.one_of(st.none(), short, st.lists(short, max_size=3)),
     "seed": st.integers(-(2**63), 2**63 - 1),
@@ -228,9 +228,15 @@ def streaming(draw: st.DrawFn) -> dict[str, Any]:
     return out
 
 
+def _chat(base: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    if base.get("top_logprobs"):
+        base["logprobs"] = True  # top_logprobs > 0 without logprobs is a 400 (OpenAI and vLLM)
+    return {**base, **s}
+
+
 def chat_bodies() -> st.SearchStrategy[dict[str, Any]]:
     return st.builds(
-        lambda base, s: {**base, **s},
+        _chat,
         st.fixed_dictionaries(
             {"model": st.just(MODEL), "messages": st.lists(message, min_size=1, max_size=4)},
             optional=chat_optional,
@@ -646,10 +652,11 @@ async def test_a_content_length_over_the_limit_is_refused_before_the_body(stack:
     ],
 )
 async def test_malformed_http_is_a_400_from_the_server(stack: Stack, raw: bytes) -> None:
-    # Refused by uvicorn's parser before the gateway sees a request: a plain-text 400, not the
-    # OpenAI envelope (no route, no request id exists at that point). Clean and nothing held.
+    # Refused by the HTTP parser before the gateway sees a request; still an OpenAI envelope
+    # (gateway.server), and nothing held.
     r = await raw_exchange(stack.port, raw)
     assert r.status == 400
+    assert_openai_error(r.status, r.headers.get("content-type", ""), r.body)
     await stack.assert_quiescent()
 
 

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway, create_app
 from gateway.config import Settings
+from gateway.server import build_server
 
 MODEL = "sim-llama"
 
@@ -149,11 +150,9 @@ async def run_gateway(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=1
-        )
-    )
+    # The production server (connection guard, protocol-error envelopes), not plain uvicorn.
+    server = build_server(app, settings.server)
+    server.config.timeout_graceful_shutdown = 1
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -121,7 +121,10 @@ async def test_sim_stream_through_gateway_has_vllm_framing(sims) -> None:  # typ
     events = via.content.split(b"\n\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]"
     docs = [orjson.loads(e[6:]) for e in events[:-2]]
-    assert all(d["id"] == "chatcmpl-rid-1" for d in docs)
+    # The worker keys the request by the gateway's own id, never by the client's (clients reuse
+    # ids); the client's id is echoed back.
+    assert via.headers["x-request-id"] == "rid-1"
+    assert all(d["id"] == f"chatcmpl-{via.headers['x-kvgate-request-id']}" for d in docs)
     assert docs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert docs[-1]["usage"]["completion_tokens"] == 16
 

@@ -158,7 +158,13 @@ async def test_canary_split_sends_its_share_to_the_labelled_pool(sims) -> None: 
     from gateway.config import Settings
 
     settings = Settings(**data)
-    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    # Streams: the per-pool TTFT histogram counts them (a whole response has no first token).
+    body = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     async with run_gateway(settings) as g:
         await g.wait_healthy(4)
         sem = asyncio.Semaphore(16)

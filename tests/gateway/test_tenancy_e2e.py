@@ -254,7 +254,7 @@ async def test_redis_stream_usage_records(sims, redis) -> None:  # type: ignore[
     async with run_gateway(tenant_settings(fleet.urls, "redis", redis.url)) as g:
         await g.wait_healthy(1)
         r = await post(g.url, chat(max_tokens=2), KEY_B)
-        rid = r.headers["x-request-id"]
+        rid = r.headers["x-kvgate-request-id"]
         client = g.gw.quota.shared.client  # type: ignore[attr-defined]
         entries = await client.xrange("kvgate:usage")
     assert any(f[b"request_id"] == rid.encode() and f[b"tenant"] == b"b" for _, f in entries)

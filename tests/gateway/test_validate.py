@@ -44,7 +44,7 @@ def test_stream_with_usage_requested_is_left_alone() -> None:
         (CHAT, body(model=3, messages=MSG), "model"),
         (CHAT, body(model="m"), "messages"),
         (CHAT, body(model="m", messages="hi"), "messages"),
-        (CHAT, body(model="m", messages=[{"content": "x"}]), "messages"),
+        (CHAT, body(model="m", messages=[{"content": "x"}]), "messages[0].role"),
         (CHAT, body(model="m", messages=MSG, stream="yes"), "stream"),
         (CHAT, body(model="m", messages=MSG, max_tokens=0), "max_tokens"),
         (CHAT, body(model="m", messages=MSG, max_tokens=True), "max_tokens"),
@@ -74,3 +74,222 @@ def test_bad_bodies_are_400_with_the_param(path: str, raw: bytes, param: str | N
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_all_prompt_forms_vllm_accepts_are_accepted(prompt: object) -> None:
     assert parse_request(COMPLETIONS, body(model="m", prompt=prompt)).model == "m"
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+def chat_body(**kw: object) -> bytes:
+    return body(model="m", messages=MSG, **kw)
+
+
+def msgs(*m: object) -> bytes:
+    return body(model="m", messages=list(m))
+
+
+# Issue 14 item 7: what OpenAI (and vLLM, for most) answer with a 400 must not reach a worker,
+# and the error names the offending field as OpenAI does.
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        (CHAT, msgs({"role": "user", "content": 123}), "messages[0].content"),
+        (CHAT, msgs({"role": "user", "content": {"text": "x"}}), "messages[0].content"),
+        (CHAT, msgs({"role": "user", "content": True}), "messages[0].content"),
+        (CHAT, msgs({"role": "user", "content": None}), "messages[0].content"),
+        (CHAT, msgs({"role": "user"}), "messages[0].content"),
+        (CHAT, msgs({"role": "system", "content": None}), "messages[0].content"),
+        (
+            CHAT,
+            msgs({"role": "tool", "content": None, "tool_call_id": "c1"}),
+            "messages[0].content",
+        ),
+        (CHAT, msgs({"role": "assistant", "content": None}), "messages[0].content"),
+        (CHAT, msgs({"role": "user", "content": [1]}), "messages[0].content[0]"),
+        (CHAT, msgs({"role": "user", "content": [{"text": "x"}]}), "messages[0].content[0]"),
+        (CHAT, msgs({"role": "user", "content": [{"type": 1}]}), "messages[0].content[0]"),
+        (
+            CHAT,
+            msgs({"role": "user", "content": [{"type": "text", "text": 5}]}),
+            "messages[0].content[0].text",
+        ),
+        (CHAT, msgs({"role": "wizard", "content": "x"}), "messages[0].role"),
+        (CHAT, msgs({"role": "USER", "content": "x"}), "messages[0].role"),
+        (CHAT, msgs({"role": 1, "content": "x"}), "messages[0].role"),
+        (CHAT, msgs({"role": ["user"], "content": "x"}), "messages[0].role"),
+        (CHAT, msgs({"role": {"a": 1}, "content": "x"}), "messages[0].role"),
+        (CHAT, msgs(*MSG, "hi"), "messages[1]"),
+        (CHAT, msgs(*MSG, None), "messages[1]"),
+        (
+            CHAT,
+            msgs(*MSG, {"role": "assistant", "content": None, "tool_calls": "zzz"}),
+            "messages[1].tool_calls",
+        ),
+        (
+            CHAT,
+            msgs({"role": "assistant", "content": "x", "tool_calls": [1]}),
+            "messages[0].tool_calls",
+        ),
+        (CHAT, msgs({"role": "user", "content": "x", "name": 7}), "messages[0].name"),
+        (CHAT, chat_body(temperature=-1), "temperature"),
+        (CHAT, chat_body(temperature=2.01), "temperature"),
+        (CHAT, chat_body(temperature="hot"), "temperature"),
+        (CHAT, chat_body(temperature=True), "temperature"),
+        (CHAT, chat_body(top_p=5), "top_p"),
+        (CHAT, chat_body(top_p=0), "top_p"),
+        (CHAT, chat_body(top_p=-0.5), "top_p"),
+        (CHAT, chat_body(top_p=[1]), "top_p"),
+        (CHAT, chat_body(presence_penalty=2.5), "presence_penalty"),
+        (CHAT, chat_body(presence_penalty=-3), "presence_penalty"),
+        (CHAT, chat_body(frequency_penalty=-2.1), "frequency_penalty"),
+        (CHAT, chat_body(frequency_penalty="0"), "frequency_penalty"),
+        (CHAT, chat_body(n=0), "n"),
+        (CHAT, chat_body(n=-1), "n"),
+        (CHAT, chat_body(n="3"), "n"),
+        (CHAT, chat_body(n=2.0), "n"),
+        (CHAT, chat_body(best_of=0), "best_of"),
+        (CHAT, chat_body(n=3, best_of=2), "best_of"),
+        (CHAT, chat_body(max_completion_tokens=0), "max_completion_tokens"),
+        (CHAT, chat_body(max_completion_tokens="5"), "max_completion_tokens"),
+        (CHAT, chat_body(tools=[1]), "tools[0]"),
+        (CHAT, chat_body(tools="f"), "tools"),
+        (CHAT, chat_body(tools={"type": "function"}), "tools"),
+        (CHAT, chat_body(tools=[{"type": "function"}]), "tools[0].function"),
+        (CHAT, chat_body(tools=[{"type": "function", "function": "f"}]), "tools[0].function"),
+        (CHAT, chat_body(tools=[{"function": {"name": ""}}]), "tools[0].function"),
+        (CHAT, chat_body(tools=[{"type": 3, "function": {"name": "f"}}]), "tools[0].type"),
+        (
+            CHAT,
+            chat_body(tools=[TOOL, {"type": "function", "function": {"name": 1}}]),
+            "tools[1].function",
+        ),
+        (CHAT, chat_body(stop=1), "stop"),
+        (CHAT, chat_body(stop=["a", 1]), "stop"),
+        (CHAT, chat_body(stop={"a": "b"}), "stop"),
+        (CHAT, chat_body(seed="1"), "seed"),
+        (CHAT, chat_body(seed=1.5), "seed"),
+        (CHAT, chat_body(seed=2**63), "seed"),
+        (CHAT, chat_body(seed=2**64 - 1), "seed"),
+        # Beyond 64 bits orjson parses a float.
+        (CHAT, chat_body()[:-1] + b',"seed":-9223372036854775809}', "seed"),
+        (CHAT, chat_body()[:-1] + b',"temperature":18446744073709551616}', "temperature"),
+        (CHAT, chat_body(logprobs=1), "logprobs"),
+        (CHAT, chat_body(logprobs="yes"), "logprobs"),
+        (CHAT, chat_body(top_logprobs=-1), "top_logprobs"),
+        (CHAT, chat_body(top_logprobs=2.5), "top_logprobs"),
+        (CHAT, chat_body(top_logprobs=3), "top_logprobs"),
+        (CHAT, chat_body(top_logprobs=3, logprobs=False), "top_logprobs"),
+        (CHAT, chat_body(use_beam_search="yes"), "use_beam_search"),
+        (COMPLETIONS, body(model="m", prompt=""), "prompt"),
+        (COMPLETIONS, body(model="m", prompt=["a", ""]), "prompt"),
+        (COMPLETIONS, body(model="m", prompt=[""]), "prompt"),
+        (COMPLETIONS, body(model="m", prompt=[[]]), "prompt"),
+        (COMPLETIONS, body(model="m", prompt=None), "prompt"),
+        (COMPLETIONS, body(model="m", prompt="x", logprobs=True), "logprobs"),
+        (COMPLETIONS, body(model="m", prompt="x", logprobs=-1), "logprobs"),
+        (COMPLETIONS, body(model="m", prompt="x", logprobs=1.5), "logprobs"),
+        (COMPLETIONS, body(model="m", prompt="x", temperature=-1), "temperature"),
+        (COMPLETIONS, body(model="m", prompt="x", top_p=5), "top_p"),
+        (COMPLETIONS, body(model="m", prompt="x", best_of=2, n=3), "best_of"),
+        (COMPLETIONS, body(model="m", prompt="x", stop=[None]), "stop"),
+        (COMPLETIONS, body(model="m", prompt="x", max_tokens=-5), "max_tokens"),
+    ],
+)
+def test_malformed_fields_are_400_naming_the_field(path: str, raw: bytes, param: str) -> None:
+    with pytest.raises(APIError) as ei:
+        parse_request(path, raw)
+    e = ei.value
+    assert e.status == 400 and e.param == param, (e.param, e.message)
+    err = orjson.loads(e.body())["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+@pytest.mark.parametrize(
+    "path, raw",
+    [
+        # Boundaries OpenAI accepts.
+        (CHAT, chat_body(temperature=0, top_p=1, presence_penalty=-2, frequency_penalty=2)),
+        (CHAT, chat_body(temperature=2.0, top_p=1e-9, presence_penalty=2, frequency_penalty=-2)),
+        (CHAT, chat_body(seed=2**63 - 1)),
+        (CHAT, chat_body(seed=-(2**63))),
+        (CHAT, chat_body(n=2, best_of=2, use_beam_search=True)),
+        (CHAT, chat_body(stop="x")),
+        (CHAT, chat_body(stop=[])),
+        (CHAT, chat_body(logprobs=True, top_logprobs=5)),
+        (CHAT, chat_body(logprobs=False, top_logprobs=0)),
+        # Null means "not set" for every optional field.
+        (
+            CHAT,
+            chat_body(
+                temperature=None,
+                top_p=None,
+                n=None,
+                best_of=None,
+                seed=None,
+                stop=None,
+                logprobs=None,
+                top_logprobs=None,
+                tools=None,
+                max_tokens=None,
+                max_completion_tokens=None,
+                presence_penalty=None,
+                frequency_penalty=None,
+            ),
+        ),
+        # Every role, and the content shapes each may have.
+        (
+            CHAT,
+            msgs(
+                {"role": "developer", "content": "d"},
+                {"role": "system", "content": [{"type": "text", "text": "s"}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "u"},
+                        {"type": "image_url", "image_url": {"url": "https://x.invalid/a.png"}},
+                        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                    ],
+                    "name": "bob",
+                },
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "assistant", "content": None, "function_call": {"name": "f"}},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                {"role": "function", "name": "f", "content": None},
+                {"role": "assistant", "content": ""},
+                {"role": "user", "content": []},
+            ),
+        ),
+        (CHAT, chat_body(tools=[TOOL, {"function": {"name": "g"}}], tool_choice="auto")),
+        (CHAT, chat_body(tools=[{"type": "custom", "custom": {"name": "c"}}])),
+        (CHAT, chat_body(tools=[])),
+        (COMPLETIONS, body(model="m", prompt="x", logprobs=0, echo=True, n=2, best_of=3)),
+        (COMPLETIONS, body(model="m", prompt=["a", "b", "c"], stop=["\n"], seed=0)),
+        # top_logprobs is a chat field: on completions it is an unknown field, passed through.
+        (COMPLETIONS, body(model="m", prompt="x", top_logprobs="anything")),
+    ],
+)
+def test_valid_values_at_the_edges_are_accepted(path: str, raw: bytes) -> None:
+    r = parse_request(path, raw)
+    assert r.data == orjson.loads(raw) and not r.modified
+
+
+def test_unknown_fields_pass_through_untouched_whatever_they_hold() -> None:
+    extra = {
+        "ignore_eos": True,
+        "top_k": -1,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "cache_salt": "s",
+        "vllm_xargs": {"a": 1},
+        "chat_template_kwargs": {"enable_thinking": False},
+        "guided_json": {"type": "object"},
+        "wizard": [1, {"role": "wizard"}],
+        "prompt": 12,  # a chat request's unknown field, even with a completions name
+    }
+    raw = body(model="m", messages=MSG, **extra)
+    r = parse_request(CHAT, raw)
+    assert r.data == orjson.loads(raw) and not r.modified
+    raw = body(model="m", prompt="p", messages="not checked here", tools=[1], **{"role": 5})
+    r = parse_request(COMPLETIONS, raw)
+    assert r.data == orjson.loads(raw) and not r.modified

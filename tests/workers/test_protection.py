@@ -1,7 +1,9 @@
-"""Worker protections (issue 9): drain, deep health probes, circuit breaker, TTFT outliers."""
+"""Worker protections (issue 9): drain, deep health probes, circuit breaker, TTFT outliers; held
+ejection and half-open readmission of workers whose requests fail (issue 14)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -125,7 +127,7 @@ def test_breaker_disabled_with_zero_window() -> None:
     assert r.workers["w0"].health is Health.HEALTHY
 
 
-def test_breaker_ejection_holds_until_its_time_then_readmits_with_a_clean_window() -> None:
+def test_breaker_ejection_holds_until_its_time_then_a_trial_readmits_with_a_clean_window() -> None:
     clock = Clock()
     seen: list[tuple[str, Health, Health]] = []
     r = make(
@@ -150,15 +152,18 @@ def test_breaker_ejection_holds_until_its_time_then_readmits_with_a_clean_window
     assert w.last_error.startswith("circuit breaker")
     assert r.next_probe_delay("w0", 0.5) == 4
     clock.t += 4
-    r.probe_ok("w0", CARD, None)  # the half-open probe
+    r.probe_ok("w0", CARD, None)  # hold over: half-open, not healthy
+    assert w.health is Health.HALF_OPEN and w.ejection_reason == "breaker"
+    r.passive_success("w0")  # the trial request succeeded
     assert w.health is Health.HEALTHY
-    assert len(w.outcomes) == 0 and w.outcome_failures == 0 and w.ejection_reason == ""
+    assert list(w.outcomes) == [False] and w.outcome_failures == 0 and w.ejection_reason == ""
     # Straight back in trouble: the ejection time doubles.
     for _ in range(4):
         r.passive_failure("w0", "HTTP 503")
     assert w.ejected_until == clock.t + 10 and w.ejections == 2
     clock.t += 10
     r.probe_ok("w0", CARD, None)
+    r.passive_success("w0")
     # In for longer than the longest ejection: a fresh incident starts from the base time.
     clock.t += 41
     for _ in range(4):
@@ -167,14 +172,185 @@ def test_breaker_ejection_holds_until_its_time_then_readmits_with_a_clean_window
 
 
 def test_outcomes_of_an_ejected_worker_are_not_recorded() -> None:
-    r = make(1, unhealthy_after=1)
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=1, backoff_initial_s=1)
     r.passive_failure("w0", "connect")
     w = r.workers["w0"]
-    assert w.health is Health.UNHEALTHY
+    assert w.health is Health.UNHEALTHY and w.ejection_reason == "failures"
     r.passive_failure("w0", "connect")  # late failures of requests already in flight
-    r.passive_success("w0")
+    r.passive_success("w0")  # a late success does not end the hold either
+    assert w.health is Health.UNHEALTHY and w.last_error.startswith("1 request failed in a row")
+    clock.t += 1
     r.probe_ok("w0", CARD, None)
-    assert w.health is Health.HEALTHY and len(w.outcomes) == 0
+    assert w.health is Health.HALF_OPEN and list(w.outcomes) == [True]  # from while it was in
+    r.passive_success("w0")
+    assert w.health is Health.HEALTHY and list(w.outcomes) == [False]
+
+
+# -- requests failing while /health says 200 (issue 14) ------------------------------------------
+def test_failing_every_request_while_health_says_200_holds_backs_off_and_needs_a_trial() -> None:
+    clock = Clock()
+    seen: list[tuple[Health, Health]] = []
+    r = make(2, clock, unhealthy_after=3, backoff_initial_s=5, backoff_max_s=40)
+    r.on_change = lambda w, was: seen.append((was, w.health)) if w.name == "w0" else None
+    w = r.workers["w0"]
+    # Probes in between say 200 and reset the probe streak, not the request streak.
+    for _ in range(3):
+        r.probe_ok("w0", CARD, None)
+        r.passive_failure("w0", "HTTP 500")
+    assert w.health is Health.UNHEALTHY and w.ejection_reason == "failures"
+    assert w.ejected_until == clock.t + 5 and w.ejections == 1
+    assert w.last_error == "3 requests failed in a row (last: HTTP 500)"
+    # /health keeps answering 200 during the hold: it stays out.
+    for dt in (0.0, 1.0, 3.9):
+        clock.t += dt
+        r.probe_ok("w0", CARD, None)
+        assert w.health is Health.UNHEALTHY and r.held("w0")
+        assert [c.name for c in r.candidates("m")] == ["w1"]
+    assert w.last_error.startswith("3 requests failed")  # still says why
+    # Each failed trial ejects it again for twice as long, up to backoff_max_s.
+    holds = []
+    for _ in range(5):
+        clock.t = w.ejected_until
+        r.probe_ok("w0", CARD, None)
+        assert w.health is Health.HALF_OPEN and not r.held("w0")
+        r.probe_ok("w0", CARD, None)  # more probes do not end the trial either
+        assert w.health is Health.HALF_OPEN
+        assert w in r.candidates("m") and w in r.healthy()
+        w.in_flight = 1  # the proxy sent it the trial request: one at a time
+        assert r.candidates("m") == [r.workers["w1"]]
+        w.in_flight = 0
+        r.passive_failure("w0", "HTTP 500")
+        assert w.health is Health.UNHEALTHY and w.last_error == "trial request failed: HTTP 500"
+        holds.append(w.ejected_until - clock.t)
+    assert holds == [10, 20, 40, 40, 40] and w.ejections == 6
+    # Fixed: the first trial after the hold succeeds and it is healthy again.
+    clock.t = w.ejected_until
+    r.probe_ok("w0", CARD, None)
+    r.passive_success("w0")
+    assert w.health is Health.HEALTHY and w.ejection_reason == "" and w.passive_streak == 0
+    assert [c.name for c in r.candidates("m")] == ["w0", "w1"]
+    # One transition each, and healthy only once: at the end, from half-open.
+    assert seen.count((Health.UNHEALTHY, Health.HALF_OPEN)) == 6
+    assert seen.count((Health.HALF_OPEN, Health.UNHEALTHY)) == 5
+    assert [t for t in seen if t[1] is Health.HEALTHY] == [(Health.HALF_OPEN, Health.HEALTHY)]
+    assert len(seen) == 1 + 6 + 5 + 1
+
+
+def test_trial_passes_at_first_byte_and_half_open_requests_bounds_the_trial() -> None:
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=2, backoff_initial_s=1, half_open_requests=2)
+    w = r.workers["w0"]
+    r.passive_failure("w0", "connect: refused")
+    r.passive_failure("w0", "connect: refused")
+    clock.t += 1
+    r.probe_ok("w0", CARD, None)
+    assert w.health is Health.HALF_OPEN
+    w.in_flight = 1
+    assert r.candidates("m") == [w]  # two at once allowed
+    w.in_flight = 2
+    assert r.candidates("m") == []
+    # A stream's first byte is the trial passing (its end may be minutes away).
+    assert r.observe_ttft("w0", 0.05) == []
+    assert w.health is Health.HEALTHY and r.candidates("m") == [w]
+    assert w.last_success_at == clock.t and w.consecutive_failures == 0
+    r.configure(half_open_requests=1)
+    assert r.half_open_requests == 1
+
+
+def test_mixed_streak_with_request_failures_is_a_held_ejection() -> None:
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=3, backoff_initial_s=2)
+    w = r.workers["w0"]
+    r.passive_failure("w0", "HTTP 502")
+    r.probe_failed("w0", "/health returned 503")
+    r.probe_failed("w0", "/health returned 503")
+    assert w.health is Health.UNHEALTHY and w.ejection_reason == "failures"
+    assert w.last_error == "3 failures in a row, 2 of them probes (last: /health returned 503)"
+    assert w.ejected_until == clock.t + 2
+
+
+def test_probe_only_unhealthy_is_readmitted_by_probes_and_keeps_the_error_window() -> None:
+    r = make(1, unhealthy_after=2, breaker_min_requests=4)
+    w = r.workers["w0"]
+    r.passive_failure("w0", "HTTP 500")
+    r.passive_success("w0")
+    r.passive_failure("w0", "HTTP 500")
+    r.passive_success("w0")  # 2/4 failed: at the rate, not above it
+    r.probe_failed("w0", "/health returned 503")
+    r.probe_failed("w0", "/health returned 503")
+    assert w.health is Health.UNHEALTHY and w.ejection_reason == "" and not r.held("w0")
+    r.probe_ok("w0", CARD, None)
+    assert w.health is Health.HEALTHY  # today's behaviour: nothing it was sent failed
+    # The window survived the flap: one more failure (3/5) trips the breaker.
+    assert list(w.outcomes) == [True, False, True, False]
+    r.passive_failure("w0", "HTTP 500")
+    assert w.health is Health.UNHEALTHY and w.ejection_reason == "breaker"
+
+
+def test_half_open_worker_failing_probes_goes_unhealthy_and_back_to_half_open() -> None:
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=2, backoff_initial_s=1)
+    w = r.workers["w0"]
+    r.passive_failure("w0", "HTTP 500")
+    r.passive_failure("w0", "HTTP 500")
+    clock.t += 1
+    r.probe_ok("w0", CARD, None)
+    assert w.health is Health.HALF_OPEN
+    r.probe_failed("w0", "ConnectError")
+    assert w.health is Health.HALF_OPEN
+    r.probe_failed("w0", "ConnectError")
+    assert w.health is Health.UNHEALTHY and not r.held("w0") and w.ejection_reason == "failures"
+    r.probe_ok("w0", CARD, None)
+    assert w.health is Health.HALF_OPEN  # its requests failed: still needs a trial
+
+
+def test_ejection_hold_does_not_overflow_after_many_failed_trials() -> None:
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=1, backoff_initial_s=1.0, backoff_max_s=30.0)
+    w = r.workers["w0"]
+    r.passive_failure("w0", "HTTP 500")
+    w.ejections = 5000  # days of a worker failing every trial
+    clock.t = w.ejected_until
+    r.probe_ok("w0", CARD, None)
+    r.passive_failure("w0", "HTTP 500")
+    assert w.ejected_until == clock.t + 30 and w.ejections == 5001
+
+
+def test_change_messages_say_why_once_per_transition() -> None:
+    clock = Clock()
+    lines: list[str] = []
+    r = make(1, clock, unhealthy_after=2, backoff_initial_s=1)
+    r.on_change = lambda w, was: lines.append(w.change_message(was))
+    for _ in range(5):
+        r.passive_failure("w0", "HTTP 500")  # three of them late: no line
+    clock.t += 1
+    r.probe_ok("w0", CARD, None)
+    r.probe_ok("w0", CARD, None)
+    r.passive_success("w0")
+    r.probe_failed("w0", "ConnectError")
+    r.probe_failed("w0", "ConnectError")
+    assert lines == [
+        "worker w0 ejected (failures, ejection 1 in a row, held 1s): 2 requests failed in a row "
+        "(last: HTTP 500)",
+        "worker w0 -> half_open after its failures ejection: back once a trial request succeeds",
+        "worker w0 -> healthy (a trial request succeeded; models: ['m'])",
+        "worker w0 -> unhealthy (ConnectError)",
+    ]
+
+
+async def test_poke_does_nothing_while_the_worker_is_held() -> None:
+    clock = Clock()
+    r = make(1, clock, unhealthy_after=1, backoff_initial_s=5)
+    async with httpx.AsyncClient() as client:
+        p = Prober(r, client, interval_s=1, timeout_s=1)
+        wake = p._wake["w0"] = asyncio.Event()  # the probe loop's wake-up, without the loop
+        r.passive_failure("w0", "HTTP 500")
+        p.poke("w0")  # no probe can readmit it for 5 s: nothing to wake for
+        assert not wake.is_set()
+        clock.t += 5
+        p.poke("w0")
+        assert wake.is_set()
 
 
 # -- TTFT outliers -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ cache is. A profile is a pair of small closed-form curves; every coefficient is 
 `kvgate sim` flags and the benches can override any of them without new code.
 
 `default` uses the curves that NVIDIA Dynamo's "mocker" engine (ai-dynamo/dynamo, its vLLM-like mock
-engine) fitted on vLLM, as reproduced in `../shared/reference/peers.md`:
+engine) fitted on vLLM, with the mocker's own coefficients:
 
     prefill_ms(T) = 4.21e-7 * T^2 + 1.518e-2 * T + 16.5     T = uncached prompt tokens in the step
     decode_ms(u)  = -25.74 * u^2 + 54.01 * u + 5.74         u = KV-cache usage fraction (0..1)

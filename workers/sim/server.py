@@ -2,7 +2,7 @@
 
 The gateway relays SSE bytes without re-serializing them and reads vLLM's metrics by name, so the
 simulator must be indistinguishable on the wire: the same chunk field order, the same `data: ...`
-framing, the same error envelope and metric names (see `shared/reference/vllm-protocol.md`). Where
+framing, the same error envelope and metric names (recorded in `tests/fixtures/vllm-0.32/`). Where
 vLLM's choice is arbitrary we copy it anyway, because a test that passes against the simulator must
 also pass against real vLLM.
 

@@ -1,0 +1,523 @@
+"""The HTTP server under the gateway: uvicorn with a connection guard and a draining shutdown.
+
+uvicorn's httptools protocol has no bound on how long a client may take to send a request head
+(the keep-alive timer only runs between requests, and any byte, even half a head, stops it), no
+bound on open connections short of `limit_concurrency` (which counts requests as well and still
+accepts the idle ones that exhaust file descriptors), and answers malformed requests in plain text.
+A few thousand silent or half-sent connections then lock every real client out. So:
+
+* `GuardedHttpProtocol` bounds the time to a complete request head (`server.head_timeout_s`) and
+  its size, closes idle keep-alive connections (`server.keepalive_timeout_s`), and keeps open
+  connections under `server.max_connections`. At the cap a new connection makes room by closing
+  the oldest *idle* one (no complete request head yet, or waiting between requests): a flood of
+  idle sockets then recycles itself while real clients, whose heads arrive within milliseconds,
+  get through. Only when every connection is busy with a request is the newcomer refused (a
+  prebuilt 503 and close: no parsing, no task).
+* Protocol-level refusals (bad framing, request smuggling shapes, oversized or late heads) are
+  OpenAI error envelopes like every other refusal of the gateway (gateway/errors.py).
+* `DrainingServer` turns the first SIGTERM/SIGINT into `Gateway.drain` (with a grace the caller
+  picks: production's `drain_grace_s`, or a short one for `kvgate dev`), a second into a stop now
+  (streams are ended at once, then a normal shutdown); see its docstring for a third.
+
+Timers are armed per connection, or when a head arrives in pieces, never for a head that arrives
+whole; per request the guard adds three short callbacks and two dict operations, about 2 us on
+uvicorn's ~29 us protocol path (measured with a fake transport; within the noise of
+bench/overhead.py's end-to-end numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import signal
+from collections.abc import Awaitable, Iterator
+from typing import Any, ClassVar, Protocol
+
+import httptools
+import uvicorn
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.config import ServerSettings
+from gateway.errors import error_body
+
+log = logging.getLogger("kvgate.server")
+
+# File descriptors kept free of client connections: the upstream connection each busy client
+# connection may hold is counted separately (half the rest); these are for listeners, logs,
+# the config watcher, probes, Redis and KV-event sockets.
+FD_RESERVE = 128
+# How long a refused connection keeps reading (and dropping) what its client still sends, so the
+# refusal is read rather than lost to a reset (see GuardedHttpProtocol._refuse).
+LINGER_S = 2.0
+
+
+def _envelope_response(
+    status: int, message: str, code: str, type_: str, extra: bytes = b""
+) -> bytes:
+    """A whole HTTP/1.1 response carrying an OpenAI error envelope, closing the connection."""
+    body = error_body(message, type_, code=code)
+    return b"".join(
+        [
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            extra,
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )
+
+
+# Prebuilt: refusing a connection at the cap must cost no more than a write and a close.
+_REFUSED = _envelope_response(
+    503,
+    "The gateway has too many open connections; retry shortly.",
+    "too_many_connections",
+    "service_unavailable",
+    b"retry-after: 1\r\n",
+)
+
+
+class ConnectionGuard:
+    """What one server's connections share: the cap, the timeouts, and which may be closed.
+
+    `idle` holds the connections with no request in progress and no complete head yet, in the
+    order they became idle (a dict keeps insertion order; re-entering moves one to the end), so
+    the oldest is `next(iter(idle))`. `lingering` holds refused connections still reading what
+    their client sends (see `GuardedHttpProtocol._refuse`): they go first when room is needed.
+    """
+
+    def __init__(self, max_connections: int, head_timeout_s: float, max_head_bytes: int) -> None:
+        self.max_connections = max_connections
+        self.head_timeout_s = head_timeout_s
+        self.max_head_bytes = max_head_bytes
+        self.open = 0  # connections counted against the cap (evicted ones no longer are)
+        self.idle: dict[GuardedHttpProtocol, None] = {}
+        self.lingering: dict[GuardedHttpProtocol, None] = {}
+        # What the guard did, for logs and tests.
+        self.evicted = 0
+        self.refused = 0
+        self.head_timeouts = 0
+        self.head_too_large = 0
+        self.bad_requests = 0
+
+    def make_room(self) -> bool:
+        """Close the oldest lingering or idle connection; False when every one is busy."""
+        victims = self.lingering or self.idle
+        if not victims:
+            return False
+        next(iter(victims)).evict()
+        self.evicted += 1
+        return True
+
+
+_on_message_begin = HttpToolsProtocol.on_message_begin
+_on_headers_complete = HttpToolsProtocol.on_headers_complete
+_on_response_complete = HttpToolsProtocol.on_response_complete
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the guard's bounds (see the module docstring).
+
+    `guard` is set on a subclass per server (`protocol_for`): uvicorn builds protocols itself,
+    with a fixed set of arguments.
+    """
+
+    guard: ClassVar[ConnectionGuard]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The head deadline; while lingering, the end of the lingering.
+        self._timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes received while the current head is incomplete
+        self._waiting = True  # no complete head since the connection opened or the last request
+        self._counted = False  # counted in guard.open
+        self._lingering = False  # refused: reading and dropping what the client still sends
+        self._idle = self.guard.idle
+
+    # -- connection lifetime ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        g = self.guard
+        if g.open >= g.max_connections and not g.make_room():
+            g.refused += 1
+            self._waiting = False
+            transport.write(_REFUSED)
+            transport.close()
+            return
+        g.open += 1
+        self._counted = True
+        g.idle[self] = None
+        self._timer = self.loop.call_later(g.head_timeout_s, self._on_head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        super().connection_lost(exc)
+
+    def _forget(self) -> None:
+        """Stop counting this connection (it is closing or closed) and drop its timer."""
+        g = self.guard
+        if self._counted:
+            self._counted = False
+            g.open -= 1
+        g.idle.pop(self, None)
+        g.lingering.pop(self, None)
+        self._cancel_timer()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def evict(self) -> None:
+        """Closed to make room for a new connection: it has no request in progress."""
+        self._forget()
+        self._waiting = False
+        self.transport.close()
+
+    # -- request heads ---------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a refused request: dropped
+        # uvicorn's own, with the parser's reason in the error (one static phrase per failure).
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if not self.transport.is_closing() and not self._lingering:  # else refused already
+                self.guard.bad_requests += 1
+                log.debug("malformed request from %s: %r", self.client, exc)
+                self._refuse(400, _malformed(exc), "bad_http_request")
+            return
+        except httptools.HttpParserUpgrade:
+            # The parser stops at an Upgrade (or CONNECT) request and parses nothing after it;
+            # `on_headers_complete` dealt with the request and closes after its response.
+            return
+        if self._waiting and not self._lingering and not self.transport.is_closing():
+            # Still no complete head after this chunk: bound its size and its time.
+            self._head_bytes += len(data)
+            if self._head_bytes > self.guard.max_head_bytes:
+                self.guard.head_too_large += 1
+                self._refuse(431, "Request headers too large", "request_header_fields_too_large")
+            elif self._timer is None:
+                self._timer = self.loop.call_later(self.guard.head_timeout_s, self._on_head_timeout)
+
+    # The three callbacks below run once per request: base methods called directly (not through
+    # super()) and the idle dict held on the instance keep them to about 1 us together.
+    def on_message_begin(self) -> None:
+        self._waiting = True
+        _on_message_begin(self)
+
+    def on_headers_complete(self) -> None:
+        self._waiting = False
+        self._head_bytes = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._idle.pop(self, None)
+        if self.parser.should_upgrade():
+            self._upgrade_requested()
+            return
+        _on_headers_complete(self)
+
+    def _upgrade_requested(self) -> None:
+        """No protocol upgrade is served here (websockets are off, h2c is not supported), and the
+        parser reads nothing after an upgrade request, its body included. A request without a
+        body is served as plain HTTP/1.1, as RFC 9110 lets a server ignore `Upgrade` (what
+        `curl --http2` expects), then the connection closes; one with a body would reach the
+        app without it, so it is refused, and so is CONNECT (this is no forward proxy)."""
+        method = self.parser.get_method()
+        has_body = any(
+            (name == b"content-length" and value.strip() not in (b"", b"0"))
+            or name == b"transfer-encoding"
+            for name, value in self.headers
+        )
+        if method == b"CONNECT" or has_body:
+            self.guard.bad_requests += 1
+        if method == b"CONNECT":
+            self._refuse(405, "method CONNECT not allowed", "method_not_allowed")
+        elif has_body:
+            self._refuse(
+                400,
+                "Protocol upgrades are not supported; send the request without an Upgrade header.",
+                "upgrade_not_supported",
+            )
+        else:
+            _on_headers_complete(self)
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+
+    def on_response_complete(self) -> None:
+        _on_response_complete(self)
+        # uvicorn armed its keep-alive timer: no pipelined request, the connection stays open and
+        # is idle until the next head (the timer stops at the next byte; `data_received` then
+        # arms the head timer if the head comes in pieces).
+        if self.timeout_keep_alive_task is not None and self._counted:
+            self._waiting = True
+            self._idle[self] = None
+
+    def _on_head_timeout(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        self.guard.head_timeouts += 1
+        if self._head_bytes:  # part of a head: say why (the client is not sending: no linger)
+            self._refuse(
+                408,
+                f"The request head did not arrive within {self.guard.head_timeout_s:g} s.",
+                "request_timeout",
+                linger=False,
+            )
+        else:  # nothing sent: nothing to answer
+            self._forget()
+            self.transport.close()
+
+    # -- refusals --------------------------------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's plain-text 400 (should one of its code paths still call it), as an envelope."""
+        self._refuse(400, msg, "bad_http_request")
+
+    def _refuse(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        type_: str = "invalid_request_error",
+        *,
+        linger: bool = True,
+    ) -> None:
+        """Answer with an OpenAI error envelope and close: the connection's framing is lost.
+
+        A request in progress on this connection (a pipelined head went bad) is ended: its
+        response could not be delimited from this one. With `linger`, the close is a lingering
+        one (RFC 9112 section 9.6): the response and a FIN go out, and what the client is still
+        sending (the rest of a big body) is read and dropped for up to `LINGER_S`. Closing
+        with unread data would send a reset, and the client's stack may then drop the response
+        before it reads it: the refusal would arrive as "connection reset". A lingering
+        connection still counts against the cap and is the first to go when room is needed.
+        """
+        self._waiting = False
+        self._cancel_timer()
+        self.guard.idle.pop(self, None)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:  # mid-response: no room for another status line
+                self._forget()
+                self.transport.close()
+                return
+        self.transport.write(_envelope_response(status, message, code, type_))
+        if not (linger and self._counted and self.transport.can_write_eof()):
+            self._forget()
+            self.transport.close()
+            return
+        self._lingering = True
+        self.guard.lingering[self] = None
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self._timer = self.loop.call_later(LINGER_S, self._end_linger)
+
+    def _end_linger(self) -> None:
+        self._timer = None
+        self._forget()
+        self.transport.close()
+
+
+class ConnectionMetrics(Collector):
+    """The guard's counts as Prometheus series, read at scrape time (nothing on the hot path)."""
+
+    def __init__(self, guard: ConnectionGuard) -> None:
+        self.guard = guard
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.guard
+        yield GaugeMetricFamily(
+            "kvgate_client_connections", "Open client connections", value=g.open
+        )
+        yield GaugeMetricFamily(
+            "kvgate_client_connections_max",
+            "Cap on open client connections (server.max_connections, or what the open-file "
+            "limit holds)",
+            value=g.max_connections,
+        )
+        closed = CounterMetricFamily(
+            "kvgate_client_connections_closed",
+            "Client connections the server closed or refused itself, by reason",
+            labels=["reason"],
+        )
+        for reason, n in (
+            ("evicted_idle", g.evicted),
+            ("refused_at_cap", g.refused),
+            ("head_timeout", g.head_timeouts),
+            ("head_too_large", g.head_too_large),
+            ("bad_request", g.bad_requests),
+        ):
+            closed.add_metric([reason], n)
+        yield closed
+
+
+def _malformed(exc: BaseException) -> str:
+    """The client-facing message for a parser error: llhttp's reason is a static phrase
+    ("invalid character in chunk size"), worth passing on; two need saying differently."""
+    reason = str(exc).strip().rstrip(".")
+    if "PRI/Upgrade" in reason:  # the HTTP/2 connection preface, without TLS
+        return "HTTP/2 without TLS (prior knowledge) is not supported; use HTTP/1.1."
+    if not reason or "callback" in reason:  # one of uvicorn's callbacks failed (e.g. the URL)
+        return "Malformed HTTP request."
+    return f"Malformed HTTP request ({reason})."
+
+
+def protocol_for(guard: ConnectionGuard) -> type[GuardedHttpProtocol]:
+    """A protocol class bound to one server's guard (uvicorn takes a class, not an instance)."""
+    return type("BoundGuardedHttpProtocol", (GuardedHttpProtocol,), {"guard": guard})
+
+
+def effective_max_connections(configured: int) -> int:
+    """`configured`, or less where the file-descriptor limit could not hold it.
+
+    Raises the soft RLIMIT_NOFILE to the hard one first (as Go's runtime does): the soft 1024 of
+    many shells is a legacy of select(). Each client connection may hold an upstream one, so at
+    most half the descriptors left after `FD_RESERVE` go to clients; past that, `accept` fails
+    with EMFILE and every new client sees a reset, which is what the cap is there to prevent.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    fit = max(16, (soft - FD_RESERVE) // 2)
+    if fit < configured:
+        log.warning(
+            "server.max_connections=%d does not fit the open-file limit (%d): using %d",
+            configured,
+            soft,
+            fit,
+        )
+        return fit
+    return configured
+
+
+class Drainable(Protocol):
+    def drain(self, grace_s: float | None = None) -> Awaitable[None]: ...
+
+
+class DrainingServer(uvicorn.Server):
+    """The first SIGTERM/SIGINT drains the gateway (`Gateway.drain`) and then stops the server;
+    a second one ends open streams at once and stops; a third stops waiting for anything but the
+    gateway's own shutdown, and a fourth interrupts Python (KeyboardInterrupt).
+
+    uvicorn alone would close its sockets straight away and leave load balancers and in-flight
+    streams to find out the hard way, and its second Ctrl-C waits out `timeout_graceful_shutdown`
+    then cancels request tasks mid-flight (a `CancelledError` traceback per request). Signals we
+    handle are not re-raised after the server stops (uvicorn's default): the process exits 0
+    through the normal path, where `kvgate dev` stops its workers.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, gateway: Drainable, drain_grace_s: float | None = None
+    ) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_grace_s = drain_grace_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.signals = 0
+        self.guard: ConnectionGuard | None = None  # set by build_server
+        self._drain: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        # A signal handler runs between two bytecodes of whatever the loop was doing: only hand
+        # the work to the loop from here. Nothing is re-raised after the server stops.
+        self.signals += 1
+        if not self.started or self.loop is None:
+            self.should_exit = True  # during start-up: it stops as soon as it has started
+            return
+        if self.signals <= 2:
+            self.loop.call_soon_threadsafe(self._drain_now if self.signals == 1 else self._stop_now)
+            return
+        # A third: wait for nothing more (the lifespan shutdown still runs, so the gateway still
+        # closes its clients); a fourth interrupts Python itself.
+        self.config.timeout_graceful_shutdown = 0.2  # type: ignore[assignment]
+        self.should_exit = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        t: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _drain_now(self) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await self.gateway.drain(self.drain_grace_s)
+            finally:
+                if self.signals < 2:  # else `_stop_now` took over (and cancelled this)
+                    self.should_exit = True
+
+        self._drain = self._spawn(drain_then_exit())
+
+    def _stop_now(self) -> None:
+        async def cut_then_exit() -> None:
+            if self._drain is not None:
+                self._drain.cancel()
+            try:
+                await self.gateway.drain(0.0)  # ends open streams with the SSE error event
+            finally:
+                # Nothing is left to finish: don't let uvicorn wait its full grace for stragglers.
+                self.config.timeout_graceful_shutdown = min(
+                    self.config.timeout_graceful_shutdown or 1.0, 1.0
+                )
+                self.should_exit = True
+
+        log.warning("second signal: ending open streams and stopping now")
+        self._spawn(cut_then_exit())
+
+
+def uvicorn_config(app: Any, server: ServerSettings, guard: ConnectionGuard) -> uvicorn.Config:
+    """The gateway's uvicorn settings: the guarded httptools protocol, no websockets (nothing
+    here serves them), no access log (the gateway logs each request itself)."""
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        http=protocol_for(guard),
+        ws="none",
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=server.keepalive_timeout_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=10,
+    )
+
+
+def build_server(
+    app: Any, server: ServerSettings, *, drain_grace_s: float | None = None
+) -> DrainingServer:
+    """The gateway's uvicorn server; `app` is `gateway.app.create_app`'s (its state holds the
+    `Gateway` to drain). `drain_grace_s` None: the configured `server.drain_grace_s`."""
+    guard = ConnectionGuard(
+        max_connections=effective_max_connections(server.max_connections),
+        head_timeout_s=server.head_timeout_s,
+        # The exact header limit (431) is the app's, on complete heads; this only stops a head
+        # that never completes from growing without bound, so it is generous.
+        max_head_bytes=2 * server.max_header_bytes,
+    )
+    gateway = app.state.gateway
+    gateway.metrics.registry.register(ConnectionMetrics(guard))
+    s = DrainingServer(uvicorn_config(app, server, guard), gateway, drain_grace_s)
+    s.guard = guard
+    return s
