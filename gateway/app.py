@@ -53,7 +53,13 @@ from gateway.config import (
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
 from gateway.logs import setup_logging
-from gateway.metrics import AdmissionCollector, AdmissionMetrics, GatewayMetrics, KVEventCollector
+from gateway.metrics import (
+    AdmissionCollector,
+    AdmissionMetrics,
+    GatewayMetrics,
+    KVEventCollector,
+    LogCollector,
+)
 from gateway.proxy import Call, Proxy
 from gateway.quota_gate import QuotaGate, Ticket
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
@@ -147,6 +153,7 @@ class Gateway:
             PreciseSink(self.precise, self._worker_model, self._worker_block_size)
         )
         self.metrics.registry.register(KVEventCollector(self.kv_fleet))
+        self.metrics.registry.register(LogCollector())
         self._kv_sync_lock = asyncio.Lock()
         self._health_seen: dict[str, tuple[Health, float | None]] = {}
         self._kv_tasks: set[asyncio.Task[None]] = set()

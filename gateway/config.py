@@ -501,8 +501,17 @@ class ConfigWatcher:
         from watchfiles import awatch
 
         # Watch the directory: editors replace files by rename, which a file watch would miss.
+        # Only its own level and only this file's name: a config beside logs or a checkout
+        # (config.example.toml in the repo root) must not wake the watcher per write below it.
         target = self.path.resolve()
-        async for changes in awatch(target.parent, debounce=200, step=50):
+        name = target.name
+        async for changes in awatch(
+            target.parent,
+            debounce=200,
+            step=50,
+            recursive=False,
+            watch_filter=lambda _change, path: Path(path).name == name,
+        ):
             if any(Path(p) == target for _, p in changes):
                 self.reload()
 

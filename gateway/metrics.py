@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.logs import log_handler
+
 if TYPE_CHECKING:
     from gateway.admission import AdmissionController
     from workers.kv_intake import KVEventFleet
@@ -332,3 +334,15 @@ class AdmissionCollector(Collector):
             for tier, n in sorted(c.depth_by_tier(pool).items()):
                 g.add_metric([pool, str(tier)], float(n))
         yield g
+
+
+class LogCollector(Collector):
+    """Log lines the writer thread never got (its queue was full: a stuck or slow log sink)."""
+
+    def collect(self) -> Iterator[Metric]:
+        h = log_handler()
+        c = CounterMetricFamily(
+            "kvgate_log_lines_dropped", "Log lines dropped because the log writer fell behind"
+        )
+        c.add_metric([], h.dropped if h is not None else 0)
+        yield c
