@@ -456,7 +456,13 @@ class RelayResponse(Response):
         self.cut: str | None = None  # set (then the task cancelled) to end the stream: shutdown
         self.stalled = False  # set (then the task cancelled) by _check_stall
         self._sending = 0.0  # perf_counter when the send in progress started; 0 = none
-        self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4))
+        # One timer per stream watches both ends: the client's reading (stall) and the worker's
+        # silence (idle_s) and the total deadline, instead of a timeout context per SSE read
+        # (asyncio.timeout enter/exit/reschedule was ~5% of the loop's time under load).
+        self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4, timeouts.idle_s / 4))
+        self._awaiting_worker = False  # the pump is waiting for the worker's next chunk
+        self._last_chunk = 0.0  # perf_counter of the worker's last chunk (or the stream start)
+        self._idle_cut = False  # set (then the task cancelled) by _check_stall: worker silent
         self._stall_timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._settling = False  # _complete is running: the stall check must not cancel it
@@ -485,7 +491,7 @@ class RelayResponse(Response):
         try:
             # Inside the try: whatever happens from here, the cleanup below settles the call.
             self._acks = AckProbe.of(send)
-            self._progress_at = time.perf_counter()
+            self._progress_at = self._last_chunk = time.perf_counter()
             self._stall_timer = asyncio.get_running_loop().call_later(
                 self._stall_every, self._check_stall, me
             )
@@ -558,7 +564,6 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         pending = b""
         chunk = self._first
-        idle = self._t.idle_s
         m = self._proxy.metrics
         inter_event = m.child(m.inter_event, call.model)
         last = time.perf_counter()
@@ -584,14 +589,22 @@ class RelayResponse(Response):
                         await self._send(send, out)
                 else:
                     pending = data
-                remaining = self._deadline - time.perf_counter()
-                if remaining <= 0:
+                if time.perf_counter() > self._deadline:
                     raise TimeoutError
-                async with asyncio.timeout(min(idle, remaining)):
+                self._awaiting_worker = True
+                try:
                     chunk = await anext(self._it, b"")
+                except asyncio.CancelledError:
+                    if not self._idle_cut:
+                        raise
+                    self._idle_cut = False
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    raise TimeoutError from None
+                finally:
+                    self._awaiting_worker = False
                 if not chunk:
                     break
-                now = time.perf_counter()
+                now = self._last_chunk = time.perf_counter()
                 inter_event.observe(now - last)
                 last = now
             if pending:
@@ -645,6 +658,12 @@ class RelayResponse(Response):
         TCP stack accepted (``AckProbe``), however much the buffers between could still absorb;
         a send blocked past that window (no probe) or past the total deadline cuts it too."""
         now = time.perf_counter()
+        if self._awaiting_worker and (
+            now - self._last_chunk > self._t.idle_s or now > self._deadline
+        ):
+            self._idle_cut = True  # the pump turns this cancel into the idle-timeout error
+            task.cancel()
+            return
         started = self._sending
         stalled = bool(started) and now > self._deadline and not self._settling
         acks = self._acks
