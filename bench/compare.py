@@ -6,7 +6,8 @@ one worker, against the same simulated fleet, in one run.
 
 For each target, in turn: a fresh simulated fleet (`kvgate sim` in a subprocess, so every router
 starts from empty caches), the router (`kvgate serve` with a generated config, or a peer from its
-own virtualenv under `.build/peers/`, installed on first use), one warm-up request, then the open
+own virtualenv under `.build/peers/`, installed on first use by `bench.peers`, which
+`bench.overhead --peers` shares), one warm-up request, then the open
 loop HTTP replay (`bench.replay`) of the same trace sample, then the workers' own counters
 (`vllm:request_success_total`, `vllm:prefix_cache_*`) for per-worker load and hit rates, which every
 router is measured by alike. A peer that cannot be installed or started is reported as skipped,
@@ -31,11 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -52,6 +48,20 @@ from rich.table import Table
 
 from bench.metrics import SLO, balance, dist, machine
 from bench.paths import MOONCAKE_TRACE, out_path, shown
+from bench.peers import (  # noqa: F401 - PEERS_DIR and Peer: part of this module's interface
+    HOST,
+    MODEL,
+    PEERS,
+    PEERS_DIR,
+    Peer,
+    Proc,
+    ensure_peer,
+    free_ports,
+    start,
+    start_peer,
+    wait_for,
+    warm,
+)
 from bench.replay import ReplayOptions, parse_goodput, run_replay
 from bench.simulate import (
     FleetSpec,
@@ -73,99 +83,7 @@ from bench.traces import (
     scale_time,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = MOONCAKE_TRACE
-PEERS_DIR = ROOT / ".build" / "peers"
-MODEL = "sim-llama"
-HOST = "127.0.0.1"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-# ==================================================================================================
-# Processes and ports
-# ==================================================================================================
-
-
-def free_ports(n: int) -> int:
-    """First of n consecutive free ports on 127.0.0.1 (`kvgate sim` takes consecutive ports)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind((HOST, p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free consecutive ports")
-
-
-@dataclass
-class Proc:
-    """A child process in its own session, so stopping it stops everything it started."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self) -> None:
-        if self.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(8)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(5)
-
-    def tail(self, n: int = 6) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return _ANSI.sub("", " | ".join(lines[-n:]))[-600:]
-
-
-def start(name: str, argv: list[str], logs: Path, env: dict[str, str] | None = None) -> Proc:
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}.log"
-    f = open(log, "wb")  # noqa: SIM115 - handed to the child, closed with the process
-    popen = subprocess.Popen(
-        argv,
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
-    f.close()
-    return Proc(name, popen, log)
-
-
-def wait_for(check: Callable[[], bool], proc: Proc, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if not proc.alive():
-            raise RuntimeError(f"{what}: process exited ({proc.popen.returncode}): {proc.tail()}")
-        with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
-            if check():
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not ready after {timeout:.0f} s: {proc.tail()}")
-        time.sleep(0.2)
 
 
 # ==================================================================================================
@@ -274,110 +192,6 @@ def start_kvgate(spec: PolicySpec, urls: list[str], logs: Path, tag: str) -> tup
 
     wait_for(ready, proc, 60, "kvgate")
     return proc, url
-
-
-@dataclass(slots=True, frozen=True)
-class Peer:
-    """An installable peer router (its PyPI package, in its own virtualenv), on 127.0.0.1."""
-
-    name: str
-    package: str
-    check: str  # a python -c snippet that fails when the install is broken
-    argv: Callable[[Path, int, int, list[str]], list[str]]
-
-
-PEERS: dict[str, Peer] = {
-    "sglang-router": Peer(
-        "sglang-router",
-        "sglang-router",
-        "import sglang_router",
-        lambda venv, port, prom, urls: [
-            *(str(venv / "bin" / "python"), "-m", "sglang_router.launch_router"),
-            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
-            *("--policy", "cache_aware", "--prometheus-host", HOST),
-            *("--prometheus-port", str(prom), "--log-level", "warn"),
-        ],
-    ),
-    "vllm-router": Peer(
-        "vllm-router",
-        "vllm-router",
-        "import shutil, sys; sys.exit(shutil.which('vllm-router') is None)",
-        lambda venv, port, prom, urls: [
-            str(venv / "bin" / "vllm-router"),
-            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
-            *("--prometheus-host", HOST, "--prometheus-port", str(prom)),
-        ],
-    ),
-    "smg": Peer(
-        "smg",
-        "smg",
-        "import shutil, sys; sys.exit(shutil.which('smg') is None)",
-        lambda venv, port, prom, urls: [
-            *(str(venv / "bin" / "smg"), "launch"),
-            *("--host", HOST, "--port", str(port), "--worker-urls", *urls),
-            *("--policy", "cache_aware", "--prometheus-host", HOST),
-            *("--prometheus-port", str(prom)),
-        ],
-    ),
-}
-
-
-def ensure_peer(peer: Peer, timeout: float = 600.0) -> tuple[Path | None, str]:
-    """The peer's virtualenv, installing it on first use; (None, reason) when that fails."""
-    venv = PEERS_DIR / peer.name
-    py = venv / "bin" / "python"
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}"}
-
-    def works() -> bool:
-        if not py.exists():
-            return False
-        r = subprocess.run([str(py), "-c", peer.check], env=env, capture_output=True, timeout=60)
-        return r.returncode == 0
-
-    if works():
-        return venv, "installed"
-    PEERS_DIR.mkdir(parents=True, exist_ok=True)
-    log = PEERS_DIR / f"{peer.name}.install.log"
-    try:
-        with open(log, "wb") as f:
-            subprocess.run(
-                [sys.executable, "-m", "venv", "--clear", str(venv)],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                check=True,
-                timeout=120,
-            )
-            subprocess.run(
-                [str(py), "-m", "pip", "install", "--quiet", peer.package],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                check=True,
-                timeout=timeout,
-            )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
-        return None, f"pip install {peer.package} failed: {e}; {' | '.join(tail)}"[:500]
-    if not works():
-        return None, f"{peer.package} installed but `{peer.check}` fails"
-    return venv, "installed now"
-
-
-def start_peer(peer: Peer, venv: Path, urls: list[str], logs: Path) -> tuple[Proc, str]:
-    port, prom = free_ports(1), free_ports(1)
-    while prom == port:
-        prom = free_ports(1)
-    env = {"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
-    proc = start(peer.name, peer.argv(venv, port, prom, urls), logs, env)
-    url = f"http://{HOST}:{port}"
-    wait_for(lambda: warm(url), proc, 90, peer.name)
-    return proc, url
-
-
-def warm(url: str) -> bool:
-    """One tiny real completion through the router: ready means it routes, not just listens."""
-    body = {"model": MODEL, "prompt": " the of and to", "max_tokens": 1, "stream": False}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=10.0)
-    return r.status_code == 200
 
 
 # ==================================================================================================

@@ -1,14 +1,41 @@
-"""What the gateway adds: TTFT through kvgate minus direct, and its relay capacity on one core.
+"""What the gateway adds, in two modes: kvgate minus direct on one worker (classic), and kvgate
+against the peer routers and one worker direct on a closed-loop concurrency ladder (`--ladder`).
 
     .venv/bin/kvgate bench overhead [--requests 2000] [--concurrency 1,16,100] \\
         [--clients aiohttp,httpx]                # results: bench/out/overhead.json
+    .venv/bin/kvgate bench overhead --ladder     # kvgate + direct, ~2 min on 2 cores
+    .venv/bin/kvgate bench overhead --peers smg,sglang-router,vllm-router   # + the peers
 
-Topology (all on 127.0.0.1): one simulated worker with the `instant` timing profile (so the
-worker's own time is ~0 and what remains is HTTP + relay), the gateway as a separate process
-pinned to one core, and an aiohttp load generator in this process. Each concurrency level runs
-direct to the worker first, then through the gateway for each upstream client, on the same
-requests. Added latency is the difference of the percentiles, which is what a user sees.
-Capacity: long streams at high concurrency; SSE events/s and requests/s the one-core gateway relays.
+Classic (the default): one simulated worker with the `instant` timing profile (so the worker's
+own time is ~0 and what remains is HTTP + relay), the gateway as a separate process pinned to one
+core, and an aiohttp load generator in this process. Each concurrency level runs direct to the
+worker first, then through the gateway for each upstream client, on the same requests. Added
+latency is the difference of the percentiles, which is what a user sees. Capacity: long streams
+at high concurrency; SSE events/s and requests/s the one-core gateway relays. Quotas: the same
+load with no tenants, a tenant on the memory store and on Redis.
+
+Ladder (`--ladder`, implied by `--peers`): the question is "how much routing can one core do, and
+how does kvgate compare with the other routers doing it". One fleet of N simulated workers
+(`kvgate sim --profile instant`, one process each, pinned), then each target in turn against it:
+kvgate with its DEFAULT config (kv_aware, request log on; `kvgate serve --config <generated>`),
+each peer from `--peers` (installed into `.build/peers/` by `bench.peers`, the same install and
+flags as `bench.compare`; one that cannot be installed or started is reported as skipped, with
+the reason), and one worker direct (the floor: no router at all). Every router is pinned to the
+same single core. For each level of in-flight requests (1, 16, 64, 256, 1024) the load generator
+processes (aiohttp, each with its share of the concurrency) open their connections (one
+unmeasured request per user), then run a closed loop for `--warmup` then `--seconds`: every
+request is a streaming chat with a unique ~4,000-character prompt (no shared prefix anywhere)
+and `max_tokens` 16. Reported per target and level: req/s (completions
+inside the window), TTFB (to the first SSE event) and e2e p50/p90/p99 of every request in flight
+during the window (nearest rank, bench.metrics), errors by kind, and the router's CPU use (its
+core's busy share: near 100% means the router is the limit, well below means something else is).
+
+The core layout comes from `os.cpu_count()` (`core_layout`): the router on the last core; on 2
+cores the fleet and one load generator share core 0, and the table says the fleet may be the
+bottleneck there; from 3 cores the fleet gets min(6, half the spare cores) cores and up to 8 load
+generators take the rest (16 cores: 1 router, 6 workers, 8 load generators). Writes
+`bench/out/overhead_peers.json` and `overhead_peers.png` (req/s and TTFB p99 per level); the
+table fits 100 columns, `--wide` adds the p90s.
 """
 
 from __future__ import annotations
@@ -17,27 +44,43 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import importlib.metadata
 import json
+import math
+import multiprocessing
 import os
 import platform
+import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
+from rich import box
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.metrics import dist, nearest_rank
 from bench.paths import out_path, shown
+from bench.peers import HOST, Proc, free_ports, start, wait_for, warm
 
 MODEL = "sim-llama"
+CLASSIC_LEVELS = "1,16,100"
 PROMPT = ("The quick brown fox jumps over the lazy dog while the cache warms up. " * 60)[:4000]
 
 
@@ -126,10 +169,7 @@ class RunStats:
     wall: float = 0.0
 
     def pct(self, xs: list[float], q: float) -> float:
-        if not xs:
-            return float("nan")
-        s = sorted(xs)
-        return s[min(len(s) - 1, int(q / 100 * len(s)))]
+        return nearest_rank(sorted(xs), q)
 
 
 async def drive(
@@ -233,34 +273,11 @@ def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dic
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--requests", type=int, default=2000, help="requests per measured run")
-    ap.add_argument("--concurrency", default="1,16,100", help="in-flight streams, comma-separated")
-    ap.add_argument(
-        "--clients", default="aiohttp,httpx", help="gateway upstream clients to compare"
-    )
-    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
-    ap.add_argument(
-        "--capacity-seconds", type=float, default=8.0, help="approximate capacity run length"
-    )
-    ap.add_argument(
-        "--json", type=Path, default=out_path("overhead.json"), help="results: %(default)s"
-    )
-    ap.add_argument(
-        "--quota-modes",
-        default="off,memory,redis",
-        help="quota backends for the requests/s comparison (off = no tenants)",
-    )
-    ap.add_argument("--policy", default="least_loaded", help="routing policy of the gateway")
-    args = ap.parse_args(argv)
-    con = Console()
-    levels = [int(c) for c in args.concurrency.split(",")]
+def classic(args: argparse.Namespace, con: Console) -> int:
+    """Added latency vs direct, relay capacity and quota modes on one simulated worker."""
+    levels = [int(c) for c in (args.concurrency or CLASSIC_LEVELS).split(",")]
     clients = args.clients.split(",")
+    policy = args.policy or "least_loaded"
     ncpu = os.cpu_count() or 1
     gw_core, other = ncpu - 1, set(range(max(1, ncpu - 1)))
     port = _free_port()
@@ -301,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 "direct_rps": len(d.e2e) / d.wall,
             }
             for client in clients:
-                with gateway(worker, client, gw_core, policy=args.policy) as gw:
+                with gateway(worker, client, gw_core, policy=policy) as gw:
                     v = asyncio.run(drive(gw, args.requests, c, args.max_tokens, True, prog))
                 row[client] = {
                     "p50_ms": v.pct(v.ttft, 50) * 1e3,
@@ -374,11 +391,903 @@ def main(argv: list[str] | None = None) -> int:
             )
         con.print(t3)
     con.print(f"[dim]{results['machine']}; {results['setup']}[/dim]")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        con.print(f"wrote {shown(args.json)}", markup=False)
+    out = args.json or out_path("overhead.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    con.print(f"wrote {shown(out)}", markup=False)
     return 0
+
+
+# ==================================================================================================
+# The closed-loop ladder: kvgate, the peer routers and one worker direct, on one fleet
+# ==================================================================================================
+
+LADDER_LEVELS = "1,16,64,256,1024"
+MAX_LOADGENS = 8  # enough to saturate any router on one core; more only thins each one's share
+SIM_NUM_BLOCKS = 131072  # 1024 unique ~650-token prompts in flight on one worker fit, no eviction
+
+
+@dataclass(frozen=True, slots=True)
+class CoreLayout:
+    """Which cores run what: the router alone on one core, the rest for the fleet and the load.
+
+    `fleet` has one core set per simulated worker process, `loadgens` one per load generator
+    process. `shared` is true when the fleet and the load generators share cores (2 cores or
+    fewer): the router is still alone on its core, but what the rest can push may be the limit.
+    """
+
+    cores: int
+    router: int
+    fleet: tuple[frozenset[int], ...]
+    loadgens: tuple[frozenset[int], ...]
+    shared: bool
+
+    @property
+    def others(self) -> frozenset[int]:
+        """Every core but the router's (this process runs there too)."""
+        return frozenset().union(*self.fleet, *self.loadgens)
+
+    def describe(self) -> str:
+        fleet = sorted(self.others if self.shared else frozenset().union(*self.fleet))
+        gens = sorted(frozenset().union(*self.loadgens))
+        text = (
+            f"{self.cores} cores: router pinned to core {self.router}; "
+            f"{len(self.fleet)} sim worker process(es) on core(s) {_cores(fleet)}; "
+            f"{len(self.loadgens)} load generator process(es) on core(s) {_cores(gens)}"
+        )
+        if self.shared:
+            text += (
+                ". The fleet and the load generator share a core: the fleet, not the router, may "
+                "be the bottleneck (a router CPU well below 100% says so)"
+            )
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cores": self.cores,
+            "router": self.router,
+            "fleet": [sorted(c) for c in self.fleet],
+            "loadgens": [sorted(c) for c in self.loadgens],
+            "shared": self.shared,
+        }
+
+
+def _cores(cores: list[int]) -> str:
+    if len(cores) > 2 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def core_layout(
+    ncpu: int, workers: int | None = None, max_loadgens: int = MAX_LOADGENS
+) -> CoreLayout:
+    """The layout for a host with `ncpu` cores.
+
+    The router gets the last core to itself (like the classic mode and bench.spike). On 2 cores
+    the fleet and one load generator share core 0. From 3 cores on, the others are split between
+    the fleet (one worker process per core, `workers` defaulting to min(6, half the spare cores))
+    and up to `max_loadgens` load generators; cores left over stay idle for the OS and this
+    process. 16 cores gives the issue's layout: router 1, fleet 6, load generators 8.
+    """
+    ncpu = max(1, ncpu)
+    router = ncpu - 1
+    spare = list(range(ncpu - 1))
+    if len(spare) <= 1:  # 1 or 2 cores: everything but the router on the one core left (or it)
+        core = frozenset(spare or [router])
+        n = workers or 1
+        return CoreLayout(ncpu, router, (core,) * n, (core,), shared=True)
+    n = workers or min(6, len(spare) // 2)
+    fleet_cores = spare[: min(n, len(spare) - 1)]  # at least one core left for the load
+    fleet = tuple(frozenset([fleet_cores[i % len(fleet_cores)]]) for i in range(n))
+    rest = spare[len(fleet_cores) :]
+    gens = tuple(frozenset([c]) for c in rest[:max_loadgens])
+    return CoreLayout(ncpu, router, fleet, gens, shared=False)
+
+
+def split(concurrency: int, parts: int) -> list[int]:
+    """Each load generator's share of the in-flight requests (no empty shares)."""
+    base, extra = divmod(concurrency, parts)
+    shares = [base + (i < extra) for i in range(parts)]
+    return [s for s in shares if s > 0]
+
+
+# -- the load generator (a process per core set; closed loop) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shot:
+    """One level for one load generator: `concurrency` users, each sending its next request as
+    soon as the last one ends, for `warmup_s` then `seconds`; requests that end before the
+    window opens (warm-up) are not measured."""
+
+    url: str
+    concurrency: int
+    warmup_s: float
+    seconds: float
+    tag: str  # unique per target, level and load generator: makes every prompt unique
+    seed: int  # same seed for every target: the same request bodies apart from the tag
+    max_tokens: int = 16
+    prompt_chars: int = 4000
+    timeout_s: float = 60.0
+    drain_s: float = 30.0
+    connect_s: float = 60.0  # longest the connect phase may take
+
+
+@dataclass
+class Samples:
+    """What a level measured (merged over load generators): latencies of the requests in flight
+    during the window, completions inside it (throughput), errors by kind."""
+
+    ttfb: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    completed: int = 0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+    def merge(self, other: Samples) -> Samples:
+        self.ttfb += other.ttfb
+        self.e2e += other.e2e
+        self.completed += other.completed
+        self.errors += other.errors
+        for k, v in other.error_kinds.items():
+            self.error_kinds[k] = self.error_kinds.get(k, 0) + v
+        return self
+
+
+class Prompts:
+    """Unique ~`chars`-character prompts: an id first (so no two requests share a prefix, at
+    any router's or worker's granularity), then a slice of random common words at a random
+    offset. Cheap (a slice, not 4,000 random draws) so the load generator stays light."""
+
+    def __init__(self, tag: str, seed: int, chars: int) -> None:
+        from workers.sim.tokenizer import VOCAB
+
+        self.rng = random.Random(seed)
+        self.tag, self.chars, self.n = tag, chars, 0
+        text = ""
+        while len(text) < 2 * chars:
+            text += "".join(self.rng.choices(VOCAB, k=1000))
+        self.text = text
+
+    def next(self) -> str:
+        self.n += 1
+        head = f"{self.tag}-{self.n}:"
+        off = self.rng.randrange(self.chars)
+        return head + self.text[off : off + max(0, self.chars - len(head))]
+
+
+async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = None) -> Samples:
+    """Run one level: `shot.concurrency` users in a closed loop against `shot.url`.
+
+    First every user opens its connection with one unmeasured request (starts spread over up to
+    1 s: a thousand connects at once overflow the Rust routers' listen backlog of 128), and all
+    wait for the last: a busy server accepts new connections slowly (a simulated worker under
+    1,024 streams left 700 in its accept queue for the whole level), so connections opened under
+    load would run the level far below its concurrency. Then `go` (the parent, once every load
+    generator is connected) says when the loop starts, the same instant for all of them.
+
+    TTFB is from sending the request to the first body chunk (the first SSE event); e2e to the
+    end of the stream, which must end with `[DONE]`. Measured: every request that ends after
+    the window opens, whenever it was sent, and those still running when it closes are awaited
+    (up to `drain_s`). Counting only requests sent inside the window would hide a request that
+    a router holds from the warm-up to the end."""
+    out = Samples()
+    prompts = Prompts(shot.tag, shot.seed, shot.prompt_chars)
+    headers = {"content-type": "application/json"}
+    url = shot.url + "/v1/chat/completions"
+    t_measure = t_end = math.inf
+
+    def body() -> bytes:
+        return json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompts.next()}],
+                "max_tokens": shot.max_tokens,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        ).encode()
+
+    async def one(session: aiohttp.ClientSession) -> tuple[float, float, str]:
+        """(TTFB, e2e, error kind or "") of one request."""
+        data = body()
+        t0 = time.monotonic()
+        ttfb, kind = 0.0, ""
+        try:
+            async with session.post(url, data=data, headers=headers) as r:
+                if r.status != 200:
+                    await r.read()
+                    kind = f"HTTP {r.status}"
+                else:
+                    tail, first = b"", True
+                    async for chunk in r.content.iter_any():
+                        if first:
+                            ttfb, first = time.monotonic() - t0, False
+                        tail = (tail + chunk)[-64:]
+                    if b"[DONE]" not in tail:
+                        kind = "stream ended without [DONE]"
+        except TimeoutError:
+            kind = "timeout"
+        except aiohttp.ClientError as e:
+            kind = type(e).__name__
+        return ttfb, time.monotonic() - t0, kind
+
+    async def connect(session: aiohttp.ClientSession, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await one(session)
+
+    async def user(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < t_end:
+            ttfb, e2e, kind = await one(session)
+            t1 = time.monotonic()
+            if t1 >= t_measure:
+                if kind:
+                    out.error(kind)
+                else:
+                    out.ttfb.append(ttfb)
+                    out.e2e.append(e2e)
+            if not kind and t_measure <= t1 < t_end:
+                out.completed += 1
+            if kind:
+                await asyncio.sleep(0.01)  # a router that fails fast must not spin this loop
+
+    timeout = aiohttp.ClientTimeout(total=shot.timeout_s)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        ramp = min(1.0, shot.warmup_s / 2) / shot.concurrency
+        warm = [asyncio.create_task(connect(session, i * ramp)) for i in range(shot.concurrency)]
+        _, late = await asyncio.wait(warm, timeout=shot.connect_s)
+        for t in late:
+            t.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        start_at = await go() if go is not None else time.monotonic()
+        t_measure = start_at + shot.warmup_s
+        t_end = t_measure + shot.seconds
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        tasks = [asyncio.create_task(user(session)) for _ in range(shot.concurrency)]
+        _, pending = await asyncio.wait(
+            tasks, timeout=max(0.0, t_end - time.monotonic()) + shot.drain_s
+        )
+        for t in pending:
+            t.cancel()
+            out.error("unfinished after the drain")
+        await asyncio.gather(*pending, return_exceptions=True)
+    return out
+
+
+CONNECTED = "connected"
+
+
+def _loadgen_main(conn: Connection, cores: list[int]) -> None:
+    """A load generator process: pinned, then one closed-loop level per `Shot` it receives.
+
+    Per level: the shot arrives, the users connect, `CONNECTED` goes back, the start instant
+    (time.monotonic, the same clock in every process) comes in, the samples go back."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, set(cores))
+
+    async def go() -> float:
+        conn.send(CONNECTED)
+        start_at: float = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        return start_at
+
+    while (shot := conn.recv()) is not None:
+        try:
+            conn.send(asyncio.run(closed_loop(shot, go)))
+        except Exception as e:  # reported by the parent, which goes on with the next target
+            conn.send(f"load generator failed: {type(e).__name__}: {e}")
+
+
+class LoadGens:
+    """The load generator processes, started once (spawned: this process has threads) and fed
+    one `Shot` per level each, all starting on the same instant."""
+
+    def __init__(self, layout: CoreLayout) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[tuple[BaseProcess, Connection]] = []
+        for cores in layout.loadgens:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_loadgen_main, args=(child, sorted(cores)), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append((p, parent))
+
+    def run(self, shot: Shot, watch: LevelWatch | None = None) -> tuple[Samples, list[str]]:
+        """Split `shot` over the generators, connect them all, start them on the same instant,
+        wait for all; (merged samples, failures)."""
+        shares = split(shot.concurrency, len(self.procs))
+        used = self.procs[: len(shares)]
+        for i, ((_, conn), c) in enumerate(zip(used, shares, strict=True)):
+            conn.send(replace(shot, concurrency=c, tag=f"{shot.tag}g{i}", seed=shot.seed + i))
+        failures: list[str] = []
+        connected = []
+        for p, conn in used:
+            got = self._recv(p, conn, watch)
+            if got == CONNECTED:
+                connected.append((p, conn))
+            else:
+                failures.append(str(got))
+        start_at = time.monotonic() + 0.1
+        if watch is not None:
+            watch.start(start_at)
+        for _, conn in connected:
+            conn.send(start_at)
+        merged = Samples()
+        for p, conn in connected:
+            got = self._recv(p, conn, watch)
+            if isinstance(got, Samples):
+                merged.merge(got)
+            else:
+                failures.append(str(got))
+        if watch is not None:
+            watch.tick(time.monotonic())  # the last sample: results come right after the window
+        return merged, failures
+
+    @staticmethod
+    def _recv(p: BaseProcess, conn: Connection, watch: LevelWatch | None) -> object:
+        try:
+            while not conn.poll(0.2):
+                if watch is not None:
+                    watch.tick(time.monotonic())
+                if not p.is_alive():
+                    raise EOFError
+            return conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"load generator exited ({p.exitcode})") from None
+
+    def close(self) -> None:
+        for _, conn in self.procs:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p, _ in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+# -- summaries ---------------------------------------------------------------------------------
+
+
+def summarize(s: Samples, concurrency: int, seconds: float) -> dict[str, Any]:
+    """One level's row: req/s from completions inside the window, percentiles (bench.metrics'
+    nearest rank) of the requests in flight during it, in milliseconds."""
+
+    def ms(values: list[float]) -> dict[str, float | None]:
+        d = dist(values)
+        keys = ("p50", "p90", "p99", "max")
+        return {q: None if (v := d[q]) is None else v * 1e3 for q in keys}
+
+    return {
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "completed": s.completed,
+        "rps": s.completed / seconds if seconds > 0 else 0.0,
+        "measured": len(s.e2e),
+        "errors": s.errors,
+        "error_kinds": dict(sorted(s.error_kinds.items())),
+        "ttfb_ms": ms(s.ttfb),
+        "e2e_ms": ms(s.e2e),
+    }
+
+
+def _session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system, all threads) of every process in session `sid`: the router
+    and anything it started (`sglang_router.launch_router` and friends)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:  # no procfs (macOS): the column shows "-"
+        return math.nan
+    for d in entries:
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(f[3]) == sid:  # fields after the name: state ppid pgrp session ...
+                total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+class LevelWatch:
+    """What this process does while the load generators run a level: moves the progress bar
+    and samples the router's CPU seconds when the window opens and when it closes (the load
+    generators report only at the end, so the samples are taken here, while waiting)."""
+
+    def __init__(self, pid: int, warmup_s: float, seconds: float, prog: Progress, label: str):
+        self.pid, self.warmup_s, self.seconds = pid, warmup_s, seconds
+        self.prog, self.label = prog, label
+        self.task = prog.add_task(f"{label} (connecting)", total=warmup_s + seconds)
+        self.begin = self.end = math.inf
+        self.at: list[tuple[float, float]] = []
+
+    def start(self, start_at: float) -> None:
+        """The load generators are connected and start at `start_at`."""
+        self.begin = start_at + self.warmup_s
+        self.end = self.begin + self.seconds
+        self.prog.update(self.task, description=self.label)
+
+    def tick(self, now: float) -> None:
+        if self.begin < math.inf:
+            done = max(0.0, min(self.end, now) - self.begin + self.warmup_s)
+            self.prog.update(self.task, completed=done)
+        if (not self.at and now >= self.begin) or (len(self.at) == 1 and now >= self.end):
+            self.at.append((now, _session_cpu_s(self.pid)))
+
+    def share(self) -> float | None:
+        """Busy share of one core over the window (1.0 = the router used its whole core)."""
+        if len(self.at) < 2 or self.at[1][0] <= self.at[0][0] or math.isnan(self.at[0][1]):
+            return None
+        return (self.at[1][1] - self.at[0][1]) / (self.at[1][0] - self.at[0][0])
+
+
+# -- targets -----------------------------------------------------------------------------------
+
+
+@dataclass
+class LadderTarget:
+    name: str
+    kind: str  # kvgate | peer | direct
+    version: str | None = None
+    status: str = "pending"  # ok | skipped | failed
+    reason: str = ""
+    levels: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "version": self.version,
+            "status": self.status,
+            "reason": self.reason,
+            "levels": self.levels,
+        }
+
+
+def _kvgate_version() -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version("kvgate")
+    return None
+
+
+def kvgate_default_toml(port: int, urls: list[str], policy: str | None = None) -> str:
+    """kvgate as shipped: every setting at its default (kv_aware routing, the JSON request log on
+    stdout, no tenants), only the port and the workers given."""
+    lines = ["[server]", f'host = "{HOST}"', f"port = {port}"]
+    if policy:
+        lines += ["[routing]", f'policy = "{policy}"']
+    for i, u in enumerate(urls):
+        lines += ["[[workers]]", f'name = "w{i}"', f'url = "{u}"']
+    return "\n".join(lines) + "\n"
+
+
+def start_kvgate(
+    urls: list[str], logs: Path, core: int, policy: str | None = None
+) -> tuple[Proc, str]:
+    """`kvgate serve` with the default config, pinned; ready once it sees every worker healthy
+    and has routed one completion."""
+    port = free_ports(1)
+    cfg = logs / "kvgate.toml"
+    cfg.write_text(kvgate_default_toml(port, urls, policy), encoding="utf-8")
+    proc = start(
+        "kvgate",
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
+        logs,
+        cores=[core],
+    )
+    url = f"http://{HOST}:{port}"
+
+    def ready() -> bool:
+        r = httpx.get(url + "/ready", timeout=1.0)
+        return r.status_code == 200 and r.json().get("healthy_workers") == len(urls)
+
+    try:
+        wait_for(ready, proc, 60, "kvgate")
+        wait_for(lambda: warm(url), proc, 30, "kvgate warm-up")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+def _healthy(url: str) -> bool:
+    return httpx.get(url + "/health", timeout=1.0).status_code == 200
+
+
+def start_sim_fleet(layout: CoreLayout, logs: Path) -> tuple[list[Proc], list[str]]:
+    """One `kvgate sim` process per worker (instant profile), each pinned to its core(s)."""
+    base = free_ports(len(layout.fleet))
+    procs, urls = [], []
+    try:
+        for i, cores in enumerate(layout.fleet):
+            argv = [
+                *(sys.executable, "-m", "gateway.cli", "sim", "--host", HOST),
+                *("--port", str(base + i), "--workers", "1", "--profile", "instant"),
+                *("--model", MODEL, "--max-num-seqs", "1024"),
+                *("--num-blocks", str(SIM_NUM_BLOCKS)),
+            ]
+            procs.append(start(f"sim-{i}", argv, logs, cores=cores))
+            urls.append(f"http://{HOST}:{base + i}")
+        for p, u in zip(procs, urls, strict=True):
+            wait_for(partial(_healthy, u), p, 60, p.name)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs, urls
+
+
+def run_ladder_target(
+    t: LadderTarget,
+    url: str,
+    pid: int,
+    gens: LoadGens,
+    levels: list[int],
+    args: argparse.Namespace,
+    index: int,
+    prog: Progress,
+    con: Console,
+) -> None:
+    """Every level against one started target; per level a line, and the router's CPU use."""
+    for c in levels:
+        watch = LevelWatch(pid, args.warmup, args.seconds, prog, f"{t.name} c={c}")
+        shot = Shot(
+            url=url,
+            concurrency=c,
+            warmup_s=args.warmup,
+            seconds=args.seconds,
+            tag=f"t{index}c{c}",
+            seed=c,
+            max_tokens=args.max_tokens,
+            prompt_chars=args.prompt_chars,
+        )
+        samples, failures = gens.run(shot, watch)
+        prog.remove_task(watch.task)
+        row = summarize(samples, c, args.seconds)
+        row["router_cpu"] = watch.share()
+        if failures:
+            row["loadgen_failures"] = failures
+        t.levels.append(row)
+        con.print(
+            f"  {t.name:<14} c={c:<5} {row['rps']:8.1f} req/s  TTFB p50/p99 "
+            f"{_ms(row['ttfb_ms']['p50'])}/{_ms(row['ttfb_ms']['p99'])} ms  "
+            f"errors {row['errors']}  router CPU {_pct(row['router_cpu'])}",
+            markup=False,
+            highlight=False,
+        )
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if v >= 100 else f"{v:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+# -- report ------------------------------------------------------------------------------------
+
+LevelCell = Callable[[dict[str, Any]], str]
+# (header, wide only, cell): the default set fits 100 columns; --wide adds the p90s.
+LADDER_COLUMNS: tuple[tuple[str, bool, LevelCell], ...] = (
+    ("in\nflight", False, lambda r: str(r["concurrency"])),
+    ("req/s", False, lambda r: f"{r['rps']:.1f}"),
+    ("TTFB\np50 ms", False, lambda r: _ms(r["ttfb_ms"]["p50"])),
+    ("TTFB\np90 ms", True, lambda r: _ms(r["ttfb_ms"]["p90"])),
+    ("TTFB\np99 ms", False, lambda r: _ms(r["ttfb_ms"]["p99"])),
+    ("e2e\np50 ms", False, lambda r: _ms(r["e2e_ms"]["p50"])),
+    ("e2e\np90 ms", True, lambda r: _ms(r["e2e_ms"]["p90"])),
+    ("e2e\np99 ms", False, lambda r: _ms(r["e2e_ms"]["p99"])),
+    ("errors", False, lambda r: str(r["errors"])),
+    ("router\nCPU", False, lambda r: _pct(r.get("router_cpu"))),
+)
+
+
+def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
+    """Every target x level; the caption says how the cores were laid out, and on a small host
+    that the fleet, not the router, may be what limits the numbers."""
+    from bench.simulate import add_number_column
+
+    cols = [c for c in LADDER_COLUMNS if wide or not c[1]]
+    s = report["setup"]
+    t = Table(
+        title="bench.overhead --ladder: closed loop, streaming chat, router on one core",
+        caption=f"{report['layout_describe']}. Each level {s['seconds']:g} s after "
+        f"{s['warmup_s']:g} s warm-up; unique ~{s['prompt_chars']}-char prompts, max_tokens "
+        f"{s['max_tokens']}; TTFB = first SSE event; router CPU = its core's busy share "
+        "(direct: the worker's)",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    add_number_column(t, "target", left=True)
+    for header, _, _ in cols:
+        add_number_column(t, header)
+    for target in report["targets"]:
+        if target["status"] != "ok":
+            continue
+        label = target["name"] + (f" {target['version']}" if target.get("version") else "")
+        for i, row in enumerate(target["levels"]):
+            t.add_row(label if i == 0 else "", *(cell(row) for _, _, cell in cols))
+        t.add_section()
+    return t
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    """The headline: per target, req/s and TTFB p99 at each level, one line each."""
+    from bench.simulate import add_number_column
+
+    levels = report["setup"]["levels"]
+    t = Table(
+        title="req/s / TTFB p99 ms per in-flight level",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    add_number_column(t, "target", left=True)
+    for c in levels:
+        add_number_column(t, f"c={c}")
+    for target in report["targets"]:
+        if target["status"] != "ok":
+            continue
+        by = {r["concurrency"]: r for r in target["levels"]}
+        t.add_row(
+            target["name"],
+            *(
+                f"{by[c]['rps']:.0f} / {_ms(by[c]['ttfb_ms']['p99'])}" if c in by else "-"
+                for c in levels
+            ),
+        )
+    return t
+
+
+def ladder_plot(report: dict[str, Any], path: Path) -> Path:
+    """req/s and TTFB p99 against in-flight requests, one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for target in report["targets"]:
+        if target["status"] != "ok" or not target["levels"]:
+            continue
+        cs = [r["concurrency"] for r in target["levels"]]
+        a.plot(cs, [r["rps"] for r in target["levels"]], marker="o", label=target["name"])
+        p99 = [r["ttfb_ms"]["p99"] for r in target["levels"]]
+        b.plot(
+            cs, [float("nan") if v is None else v for v in p99], marker="o", label=target["name"]
+        )
+    a.set_ylabel("requests/s")
+    b.set_ylabel("TTFB p99 (ms)")
+    b.set_yscale("log")
+    levels = report["setup"]["levels"]
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("requests in flight (closed loop)")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    m = report["machine"]
+    s = report["setup"]
+    title = (
+        f"{m['cpu']}; {report['layout_describe']}; {s['seconds']:g} s per level, unique "
+        f"~{s['prompt_chars']}-char prompts, max_tokens {s['max_tokens']}"
+    )
+    fig.suptitle(textwrap.fill(title, 150), fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the ladder run ----------------------------------------------------------------------------
+
+
+def ladder(args: argparse.Namespace, con: Console) -> int:
+    """kvgate (default config), each peer and one worker direct, every level, one fleet."""
+    from bench.metrics import machine
+    from bench.peers import PEERS, ensure_peer, installed_version, start_peer
+    from bench.simulate import print_table, split_policies
+
+    t0 = time.monotonic()
+    levels = [int(c) for c in (args.concurrency or LADDER_LEVELS).split(",")]
+    layout = core_layout(os.cpu_count() or 1, args.workers)
+    peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
+    targets = [LadderTarget("kvgate", "kvgate", _kvgate_version())]
+    for name in peer_names:
+        if name in PEERS:
+            targets.append(LadderTarget(name, "peer"))
+        else:
+            targets.append(LadderTarget(name, "peer", status="skipped", reason="unknown peer"))
+    if not args.no_direct:
+        targets.append(LadderTarget("direct", "direct"))
+    con.print(f"overhead --ladder: {layout.describe()}", markup=False, highlight=False)
+
+    venvs: dict[str, Path] = {}
+    wanted = [t for t in targets if t.kind == "peer" and t.status == "pending"]
+    if wanted:
+        con.print(f"peers: checking/installing {', '.join(t.name for t in wanted)} ...")
+        with ThreadPoolExecutor(len(wanted)) as pool:
+            found = list(pool.map(lambda t: ensure_peer(PEERS[t.name]), wanted))
+        for t, (venv, why) in zip(wanted, found, strict=True):
+            if venv is None:
+                t.status, t.reason = "skipped", why
+            else:
+                venvs[t.name] = venv
+                t.version = installed_version(PEERS[t.name], venv)
+
+    logs = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, layout.others)  # this process stays off the router's core
+    fleet: list[Proc] = []
+    gens: LoadGens | None = None
+    try:
+        fleet, urls = start_sim_fleet(layout, logs)
+        gens = LoadGens(layout)
+        with Progress(console=con, transient=True) as prog:
+            for i, t in enumerate(targets):
+                if t.status != "pending":
+                    continue
+                con.print(f"[{time.monotonic() - t0:4.0f} s] {t.name}", markup=False)
+                proc: Proc | None = None
+                try:
+                    if t.kind == "kvgate":
+                        proc, url = start_kvgate(urls, logs, layout.router, args.policy)
+                        pid = proc.popen.pid
+                    elif t.kind == "peer":
+                        proc, url = start_peer(
+                            PEERS[t.name], venvs[t.name], urls, logs, cores=[layout.router]
+                        )
+                        pid = proc.popen.pid
+                    else:
+                        url, pid = urls[0], fleet[0].popen.pid
+                    run_ladder_target(t, url, pid, gens, levels, args, i, prog, con)
+                    t.status = "ok"
+                except Exception as e:  # a target that cannot run is reported, the rest run
+                    t.status, t.reason = "failed", str(e)[:600]
+                    con.print(f"  {t.name}: failed: {t.reason}", markup=False)
+                finally:
+                    if proc is not None:
+                        proc.stop()
+    finally:
+        if gens is not None:
+            gens.close()
+        for p in fleet:
+            p.stop()
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, before)
+        shutil.rmtree(logs, ignore_errors=True)
+
+    report: dict[str, Any] = {
+        "mode": "ladder",
+        "machine": machine(),
+        "layout": layout.to_json(),
+        "layout_describe": layout.describe(),
+        "setup": {
+            "levels": levels,
+            "seconds": args.seconds,
+            "warmup_s": args.warmup,
+            "prompt_chars": args.prompt_chars,
+            "max_tokens": args.max_tokens,
+            "workers": len(layout.fleet),
+            "sim": "kvgate sim --workers 1 --profile instant --max-num-seqs 1024 "
+            f"--num-blocks {SIM_NUM_BLOCKS}, one process per worker",
+            "kvgate": "default config" + (f", policy {args.policy}" if args.policy else ""),
+            "peers": {
+                n: " ".join(PEERS[n].argv(Path("VENV"), 0, 0, ["WORKER_URLS"]))
+                for n in peer_names
+                if n in PEERS
+            },
+        },
+        "targets": [t.to_json() for t in targets],
+        "wall_s": time.monotonic() - t0,
+    }
+    json_path = args.json or out_path("overhead_peers.json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    png = ladder_plot(report, args.png or out_path("overhead_peers.png"))
+    print_table(con, ladder_table(report, args.wide))
+    print_table(con, summary_table(report))
+    for t in targets:
+        if t.status != "ok":
+            con.print(f"not measured: {t.name}: {t.status}: {t.reason}", markup=False)
+    con.print(
+        f"wrote {shown(json_path)}, {shown(png)} in {report['wall_s']:.0f} s",
+        markup=False,
+        highlight=False,
+    )
+    return 0 if all(t.status == "ok" for t in targets if t.kind != "peer") else 1
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"in-flight streams, comma-separated (default: {CLASSIC_LEVELS}; "
+        f"with --ladder {LADDER_LEVELS})",
+    )
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per latency request")
+    ap.add_argument(
+        "--policy",
+        default=None,
+        help="routing policy of the gateway (default: least_loaded; with --ladder the "
+        "gateway's own default, kv_aware)",
+    )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="results (default: bench/out/overhead.json; with --ladder overhead_peers.json)",
+    )
+    g = ap.add_argument_group("classic mode: added latency, relay capacity, quotas")
+    g.add_argument("--requests", type=int, default=2000, help="requests per measured run")
+    g.add_argument("--clients", default="aiohttp,httpx", help="gateway upstream clients to compare")
+    g.add_argument(
+        "--capacity-seconds", type=float, default=8.0, help="approximate capacity run length"
+    )
+    g.add_argument(
+        "--quota-modes",
+        default="off,memory,redis",
+        help="quota backends for the requests/s comparison (off = no tenants)",
+    )
+    g = ap.add_argument_group("ladder mode: kvgate vs peer routers vs one worker, closed loop")
+    g.add_argument(
+        "--ladder", action="store_true", help="run the closed-loop ladder (implied by --peers)"
+    )
+    g.add_argument(
+        "--peers",
+        default="none",
+        help="peer routers to add, comma-separated: smg,sglang-router,vllm-router "
+        "(installed into .build/peers/ on first use; default none: works offline)",
+    )
+    g.add_argument(
+        "--seconds",
+        type=float,
+        default=8.0,
+        help="measured seconds per level (default: %(default)s)",
+    )
+    g.add_argument(
+        "--warmup", type=float, default=2.0, help="warm-up seconds per level (default: %(default)s)"
+    )
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="simulated worker processes (default: min(6, half the spare cores); 1 on 2 cores)",
+    )
+    g.add_argument("--prompt-chars", type=int, default=4000, help="characters per prompt")
+    g.add_argument("--no-direct", action="store_true", help="skip the one-worker-direct row")
+    g.add_argument(
+        "--png", type=Path, default=None, help="plot (default: bench/out/overhead_peers.png)"
+    )
+    g.add_argument("--wide", action="store_true", help="every column (p90s too)")
+    args = ap.parse_args(argv)
+    con = Console() if sys.stdout.isatty() else Console(width=100)
+    if args.ladder or args.peers.strip() not in ("", "none"):
+        return ladder(args, con)
+    return classic(args, con)
 
 
 if __name__ == "__main__":
