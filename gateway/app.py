@@ -39,6 +39,7 @@ from gateway.autoscale import (
     fleet_loads,
     request_tokens,
 )
+from gateway.cluster import ClusterSync
 from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
     ConfigWatcher,
@@ -62,6 +63,7 @@ from gateway.metrics import (
 )
 from gateway.proxy import Call, Proxy
 from gateway.quota_gate import QuotaGate, Ticket
+from gateway.server import HEAD_AT
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
@@ -165,6 +167,17 @@ class Gateway:
             _admission(settings.admission), observer=AdmissionMetrics(self.metrics)
         )
         self.metrics.registry.register(AdmissionCollector(self.admission))
+        # [cluster]: other replicas' per-worker load, refreshed in the background (no Redis on
+        # the request path); None = this replica routes on its own dispatches alone.
+        self.cluster: ClusterSync | None = None
+        if settings.cluster.enabled:
+            self.cluster = ClusterSync(
+                settings.cluster,
+                self.registry,
+                redis_url=settings.cluster.redis_url or settings.quota.redis_url,
+                on_freed=self.admission.kick,
+                metrics=self.metrics.registry,
+            )
         self.autoscale = DesiredWorkers()
         self.metrics.registry.register(
             AutoscaleCollector(
@@ -236,6 +249,8 @@ class Gateway:
             on_release=self.admission.kick,
         )
         self.prober.sync()
+        if self.cluster is not None:
+            await self.cluster.start()
         await self._sync_kv_events()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
@@ -281,6 +296,8 @@ class Gateway:
             await self.watcher.stop()
         if self.prober:
             await self.prober.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
         await self.kv_fleet.close()
         if self.upstream:
             await self.upstream.close()
@@ -297,6 +314,14 @@ class Gateway:
                 log.warning("[%s] changed: takes effect after a restart", section)
         if new.quota != old.quota:
             log.warning("[quota] changed: takes effect after a restart")
+        if new.cluster != old.cluster:
+            if any(
+                getattr(old.cluster, k) != getattr(new.cluster, k)
+                for k in ("enabled", "redis_url", "key_prefix")
+            ):
+                log.warning("[cluster] enabled/redis_url/key_prefix: take effect after a restart")
+            if self.cluster is not None:
+                self.cluster.configure(new.cluster)  # interval, expiry, timeout: live
         self.settings = new
         r = new.routing
         if r.options != old.routing.options:
@@ -365,14 +390,20 @@ class Gateway:
                 log.exception("kv events: subscriber sync failed")
 
     def _worker_room(self, w: Worker) -> int:
-        """Requests ``w`` can take now: its concurrency cap minus what is in flight there, none
-        while its KV cache is saturated (new sequences would only preempt running ones)."""
+        """Requests ``w`` can take now: its concurrency cap minus what is in flight there (every
+        replica's, with [cluster]: the cap is the worker's, not one replica's share), none while
+        its KV cache is saturated (new sequences would only preempt running ones)."""
         if w.metrics.kv_usage >= self.routing_options.saturation_kv:
             return 0
         cap = w.spec.max_concurrency or self.settings.admission.worker_concurrency
-        if w.health is Health.HALF_OPEN:  # on trial: only its trial requests
-            cap = min(cap, self.registry.half_open_requests)
-        return cap - w.in_flight if cap > w.in_flight else 0
+        busy = w.in_flight + w.remote_in_flight
+        room = cap - busy
+        if w.health is Health.HALF_OPEN:
+            # On trial: only this replica's trial requests (the half-open state is its own
+            # view; another replica's traffic there must not keep its trial from ever starting).
+            trial = self.registry.half_open_requests - w.in_flight
+            room = trial if trial < room else room
+        return room if room > 0 else 0
 
     def _room(self, model: str, priority: float) -> int:
         """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
@@ -459,7 +490,9 @@ class Gateway:
         if client_rid is not None and not _RID_OK.match(client_rid):
             client_rid = None
         echo = echo_headers(rid, client_rid)
-        t0 = time.perf_counter()
+        # From the complete request head when the server says (gateway.server), so a loop busy
+        # elsewhere shows in TTFT instead of hiding before the walk's first line.
+        t0 = request.scope.get(HEAD_AT) or time.perf_counter()
         ticket: Ticket | None = None
         call: Call | None = None
         settings = self.settings

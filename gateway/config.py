@@ -372,6 +372,34 @@ class AdmissionSettings(_Section):
     max_retry_after_s: float = Field(60.0, gt=0)
 
 
+class ClusterSettings(_Section):
+    """Several gateway replicas sharing per-worker load through Redis (gateway.cluster)."""
+
+    # Off: each replica routes on its own dispatches only (one replica, `make run`).
+    enabled: bool = False
+    # Empty = the [quota] redis_url.
+    redis_url: str = ""
+    # Every cluster key starts with this; the {hash tag} keeps them in one Redis Cluster slot.
+    key_prefix: str = "kvgate:{cluster}:"
+    # How often each replica writes its load and reads everyone else's (one round trip): a
+    # dispatch shows on the other replicas within about two intervals (100 ms at 0.05).
+    publish_interval_s: float = Field(0.05, ge=0.005, le=5)
+    # A replica whose heartbeat has not moved for this long counts for nothing (killed, cut off
+    # from Redis); with Redis down every peer's load lapses after it and routing goes local.
+    expiry_s: float = Field(3.0, gt=0, le=300)
+    # Budget of one sync round trip (connect included); a slower Redis counts as down.
+    op_timeout_s: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _expiry_covers_intervals(self) -> ClusterSettings:
+        if self.expiry_s < 4 * self.publish_interval_s:
+            raise ValueError(
+                "cluster.expiry_s must be at least 4 x publish_interval_s, or live replicas "
+                "would expire between two heartbeats"
+            )
+        return self
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -389,6 +417,7 @@ class Settings(BaseSettings):
     tenancy: TenancySettings = TenancySettings()
     quota: QuotaSettings = QuotaSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    cluster: ClusterSettings = ClusterSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @classmethod

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import resource
 import signal
+import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, ClassVar, Protocol
 
@@ -46,6 +47,8 @@ from gateway.errors import error_body
 
 log = logging.getLogger("kvgate.server")
 
+# Scope key: perf_counter() when the request head was complete (read by the walk).
+HEAD_AT = "kvgate.head_at"
 # File descriptors kept free of client connections: the upstream connection each busy client
 # connection may hold is counted separately (half the rest); these are for listeners, logs,
 # the config watcher, probes, Redis and KV-event sockets.
@@ -213,6 +216,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         _on_message_begin(self)
 
     def on_headers_complete(self) -> None:
+        # When the request head was complete: the walk's clock starts here, not when its task
+        # first runs, so TTFT and the request log count the time a busy loop kept it waiting.
+        self.scope[HEAD_AT] = time.perf_counter()  # type: ignore[literal-required]
         self._waiting = False
         self._head_bytes = 0
         if self._timer is not None:

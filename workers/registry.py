@@ -110,6 +110,11 @@ class Worker:
     in_flight_at_scrape: int | None = None
     prefill_tokens: int = 0
     sent_tokens_since_scrape: int = 0
+    # Other gateway replicas' in-flight requests and queued-prefill tokens here, as the last
+    # cluster sync saw them (gateway.cluster; 0 without [cluster]). `in_flight` stays this
+    # replica's own (what it releases, what drain waits for); load readers add these.
+    remote_in_flight: int = 0
+    remote_prefill_tokens: int = 0
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     # Proxied requests failed since the last proxied success (probe successes do not reset it).
@@ -186,6 +191,8 @@ class Worker:
         key = (
             self.in_flight,
             self.prefill_tokens,
+            self.remote_in_flight,
+            self.remote_prefill_tokens,
             self.sent_tokens_since_scrape,
             self.in_flight_at_scrape,
             id(self.metrics),
@@ -195,9 +202,10 @@ class Worker:
             return self._view
         m = self.metrics
         self._view_key = key
+        # The whole gateway's load, every replica's: the worker's queue is shared.
         self._view = WorkerView(
             name=self.spec.name,
-            in_flight=self.in_flight,
+            in_flight=self.in_flight + self.remote_in_flight,
             running=m.running,
             waiting=m.waiting,
             kv_usage=m.kv_usage,
@@ -206,7 +214,7 @@ class Worker:
             weight=self.spec.weight,
             labels=self.spec.labels,
             in_flight_at_scrape=self.in_flight_at_scrape,
-            prefill_tokens=self.prefill_tokens,
+            prefill_tokens=self.prefill_tokens + self.remote_prefill_tokens,
             sent_tokens_since_scrape=self.sent_tokens_since_scrape,
         )
         return self._view
@@ -451,7 +459,9 @@ class Registry:
             self._known_models[w.name] = w.models
         if metrics is not None:
             w.metrics = metrics
-            w.in_flight_at_scrape = w.in_flight
+            # On the view's scale (every replica's in-flight), so view.in_flight minus it is
+            # what the whole gateway dispatched since this scrape.
+            w.in_flight_at_scrape = w.in_flight + w.remote_in_flight
             w.sent_tokens_since_scrape = 0
 
     # -- passive outcomes (proxied requests) -------------------------------------------------
