@@ -414,11 +414,13 @@ class Gateway:
         for w in self.registry.candidates(model):
             total += w.spec.max_concurrency or a.worker_concurrency
             free += room(w)
-        if priority < a.reserve_min_priority:
+        if priority < a.reserve_min_priority <= self.tenants.top_priority:
             # Headroom, not a quota: the last free slots stay free for the high tiers whatever
             # they already run. Withholding only the part of the reserve they leave unused was
             # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
             # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
+            # Kept only when some tenant can use it: an open gateway (or one whose tenants are
+            # all below reserve_min_priority) would otherwise leave that share of the fleet idle.
             free -= int(total * a.priority_reserve)
         return free if free > 0 else 0
 

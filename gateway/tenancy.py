@@ -82,6 +82,10 @@ class Tenants:
         if not self.enabled:
             # Open, single-tenant gateway: everyone is one default tenant with no limits.
             self.anonymous = Tenant(ANONYMOUS, TenantSettings(), TenantLimits(), "", "")
+        # The highest priority any caller can have: a priority reserve nobody can use is idle
+        # capacity, not headroom (gateway.app._room).
+        everyone = [*self.by_name.values(), *([self.anonymous] if self.anonymous else [])]
+        self.top_priority = max(t.priority for t in everyone) if everyone else 0.0
 
     def authenticate(self, authorization: str | None) -> Tenant:
         key = ""

@@ -4,17 +4,27 @@ whatever they already run (bench/spike.py measured why it is headroom and not a 
 from __future__ import annotations
 
 from gateway.app import Gateway
+from gateway.config import TenantSettings
 from tests.gateway.conftest import MODEL, settings_for
 from workers.registry import Health
 
 
-def _gateway() -> Gateway:
+def _gateway(top_priority: float | None = 0.9) -> Gateway:
     s = settings_for(
         ["http://127.0.0.1:9", "http://127.0.0.1:10"],
         admission={"priority_reserve": 0.25, "reserve_min_priority": 0.7},
     )
+    tenants = {}
+    if top_priority is not None:
+        tenants = {
+            "low": {"keys_sha256": ["0" * 64], "priority": 0.2},
+            "top": {"keys_sha256": ["1" * 64], "priority": top_priority},
+        }
     s = s.model_copy(
-        update={"workers": [w.model_copy(update={"max_concurrency": 4}) for w in s.workers]}
+        update={
+            "workers": [w.model_copy(update={"max_concurrency": 4}) for w in s.workers],
+            "tenants": {k: TenantSettings(**v) for k, v in tenants.items()},
+        }
     )
     gw = Gateway(s)
     for w in gw.registry.workers.values():
@@ -41,3 +51,11 @@ def test_a_full_or_saturated_worker_offers_no_room() -> None:
     assert gw._room(MODEL, 0.9) == 4
     w1.metrics = w1.metrics.__class__(kv_usage=0.95)  # KV saturated: new sequences would preempt
     assert gw._room(MODEL, 0.9) == 0
+
+
+def test_a_reserve_nobody_can_use_is_not_kept() -> None:
+    # An open gateway (everyone is the default tenant, priority 0.5), or tenants all below
+    # reserve_min_priority: withholding the reserve would only leave a share of the fleet idle.
+    for gw in (_gateway(top_priority=None), _gateway(top_priority=0.6)):
+        assert gw._room(MODEL, 0.5) == 8
+        assert gw._room(MODEL, 0.2) == 8
