@@ -59,3 +59,19 @@ def test_a_reserve_nobody_can_use_is_not_kept() -> None:
     for gw in (_gateway(top_priority=None), _gateway(top_priority=0.6)):
         assert gw._room(MODEL, 0.5) == 8
         assert gw._room(MODEL, 0.2) == 8
+
+
+def test_a_stale_kv_saturation_lapses_as_the_requests_behind_it_finish() -> None:
+    gw = _gateway(top_priority=None)
+    w0, w1 = gw.registry.workers.values()
+    w1.health = Health.UNHEALTHY
+    w0.metrics = w0.metrics.__class__(kv_usage=0.95)
+    w0.in_flight_at_scrape = 4  # what the scrape saw running
+    w0.in_flight = 4
+    assert gw._room(MODEL, 0.5) == 0  # nothing finished since: still saturated
+    w0.in_flight = 1  # three finished and freed their blocks: ~0.24 of the cache in use
+    assert gw._room(MODEL, 0.5) == 3
+    w0.in_flight = 0  # idle: the saturated figure is history
+    assert gw._room(MODEL, 0.5) == 4
+    w0.in_flight_at_scrape = None  # no scrape to scale from: trust the figure
+    assert gw._room(MODEL, 0.5) == 0
