@@ -14,9 +14,13 @@ chain into the index, after the decision) is timed separately. The default chain
 the tail replaces.
 
 Each cell runs ``--repeat`` passes over the same requests and shows the pass with the lowest p99:
-on a shared machine the other passes measure the neighbours. ``cpu`` columns are the thread's CPU
-time for the same span (``time.thread_time_ns``, ~0.3 us of clock overhead included): what the
-decision costs when the machine is busy and wall time also counts other processes' time slices.
+on a shared machine the other passes measure the neighbours. The hit share counts every pass, so
+it does not depend on which pass was fastest and two runs of the same code show the same share (a
+speed change that moves it changed decisions). ``--profile N`` then replays the cell's requests
+under cProfile and prints its N costliest functions (own time), the place to start a speed-up.
+``cpu`` columns are the thread's CPU time for the same span (``time.thread_time_ns``, ~0.3 us of
+clock overhead included): what the decision costs when the machine is busy and wall time also
+counts other processes' time slices.
 Views are kept between decisions and only those that change are replaced (the chosen worker's
 and one finishing a request), as a registry that caches views would; building all 64 frozen
 WorkerViews per decision would cost the gateway ~100 us on its own, and the policy ~0.3 us more
@@ -93,7 +97,13 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 
 def run_cell(
-    workers: int, tokens: int, requests: int, full: bool, repeat: int = 3, seed: int = 0
+    workers: int,
+    tokens: int,
+    requests: int,
+    full: bool,
+    repeat: int = 3,
+    seed: int = 0,
+    profile: int = 0,
 ) -> Cell:
     rng = random.Random(seed)
     chars = tokens * CHARS_PER_TOKEN
@@ -123,11 +133,11 @@ def run_cell(
     # As the gateway holds them: raw JSON, parsed (untimed) just before routing, as the app does.
     bodies = [orjson.dumps(body(rng.randrange(len(groups)))) for _ in range(requests)]
     best: Cell | None = None
+    hits = 0
     for _ in range(repeat):
         decide: list[float] = []
         cpu: list[float] = []
         dispatch: list[float] = []
-        hits = 0
         blocks = 0
         gc.collect()
         clock = time.perf_counter_ns
@@ -164,12 +174,35 @@ def run_cell(
             _pct(cpu, 0.99),
             _pct(dispatch, 0.5),
             _pct(dispatch, 0.99),
-            hits / len(bodies),
+            0.0,
         )
         if best is None or cell.p99_us < best.p99_us:
             best = cell
     assert best is not None
-    return best
+    if profile:
+        _profile(policy, views, bodies, opts, profile)
+    return replace(best, affinity_share=hits / (repeat * len(bodies)))
+
+
+def _profile(
+    policy: Any, views: list[WorkerView], bodies: Sequence[bytes], opts: RoutingOptions, top: int
+) -> None:
+    """One more pass of decisions (route_request + choose) under cProfile: the costliest functions.
+
+    cProfile adds ~0.1 us per call, so call-heavy code looks costlier than it is: compare
+    profiles with each other, and take timings from the table.
+    """
+    import cProfile
+    import pstats
+
+    print(f"-- cProfile, {len(views)} workers: {len(bodies)} decisions")
+    parsed = [orjson.loads(raw) for raw in bodies]
+    prof = cProfile.Profile()
+    prof.enable()
+    for b in parsed:
+        policy.choose(views, route_request("chat", b, options=opts))
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -186,6 +219,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tokens", default="1000,8000,32000")
     p.add_argument("--repeat", type=int, default=3, help="passes per cell; the lowest-p99 is shown")
     p.add_argument("--dense", action="store_true", help="add rows hashing all-dense chains")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print each cell's N costliest functions",
+    )
     args = p.parse_args(argv)
     table = Table(
         title="kv_aware routing decision (route_request + choose), microseconds; "
@@ -208,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for tokens in (int(x) for x in args.tokens.split(",")):
         for workers in (int(x) for x in args.workers.split(",")):
             for full in (False, True) if args.dense else (False,):
-                c = run_cell(workers, tokens, args.requests, full, args.repeat)
+                c = run_cell(
+                    workers, tokens, args.requests, full, args.repeat, profile=args.profile
+                )
                 table.add_row(
                     str(c.workers),
                     f"{c.tokens:,}",

@@ -22,7 +22,7 @@ from scoring.policy import (
     route_request,
     session_id_from,
 )
-from scoring.prefix import render_chat
+from scoring.prefix import render_chat, text_key
 
 SYSTEM = "You are the support assistant of ACME. Follow the policy below exactly. " * 60  # ~4.3k
 
@@ -87,6 +87,38 @@ def test_route_request_hashes_sizes_and_scopes_the_request() -> None:
     assert bare.chain == () and bare.session_id == "s1"
     ids = route_request("completion", {"model": "m", "prompt": list(range(40))})
     assert len(ids.chain) == 2 and ids.prompt_tokens == 40
+
+
+def test_route_request_puts_every_value_in_its_named_field() -> None:
+    # route_request builds the RouteRequest positionally (for speed): a reordered field would
+    # silently swap values, so compare with a keyword-built one.
+    opts = RoutingOptions()
+    body = chat("x" * 30_000)
+    r = route_request(
+        "chat", body, namespace="t", session_id="s", tenant_priority=0.7, request_id="rid"
+    )
+    k = text_key(
+        "chat",
+        body,
+        model="m",
+        namespace="t",
+        max_blocks=opts.max_blocks,
+        tail_ratio=opts.tail_ratio,
+        tail_blocks=opts.tail_blocks,
+    )
+    assert k.tail_ends and len(k.chain) > k.dense_blocks  # a tail, so every field is distinct
+    assert r == RouteRequest(
+        model="m",
+        request_id="rid",
+        tenant_priority=0.7,
+        chain=tuple(k.chain),
+        block_tokens=k.block_tokens,
+        prompt_tokens=round(k.prompt_tokens),
+        session_id="t\x00s",
+        dense_blocks=k.dense_blocks,
+        tail_ends=k.tail_ends,
+        block_chain=(),
+    )
 
 
 def test_session_id_from_header_then_user_then_prompt_cache_key() -> None:
@@ -284,6 +316,23 @@ def test_worker_removal_forgets_its_blocks_and_sessions() -> None:
     p.on_dispatch("a", r)
     p.on_worker_removed("a")
     assert p.state.index.match(r.chain) == {} and len(p.state.sessions) == 0
+
+
+def test_a_replaced_view_is_scored_afresh_and_the_per_worker_memo_stays_bounded() -> None:
+    # kv_aware memoises each worker's load per view; a new view of the same worker (its load
+    # moved) must be scored on its own numbers, however often views are replaced.
+    p = KVAware(rng=random.Random(0))
+    views = idle("a", "b")
+    assert p.choose(views, RouteRequest("m")).worker.name in ("a", "b")
+    busy = WorkerView("a", running=30, waiting=6, in_flight=36, in_flight_at_scrape=36)
+    for i in range(200):
+        views = [busy if i % 2 else WorkerView("a", in_flight_at_scrape=0), views[1]]
+        views[1] = WorkerView("b", running=20, in_flight=20, in_flight_at_scrape=20)
+        want = "b" if i % 2 else "a"
+        assert p.choose(views, RouteRequest("m")).worker.name == want
+    assert len(p._memo) <= 2  # one entry per worker, not one per view ever seen
+    p.on_worker_removed("a")
+    assert "a" not in p._memo
 
 
 def test_index_capacity_follows_the_workers_reported_kv_cache() -> None:

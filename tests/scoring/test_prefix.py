@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import itertools
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scoring import prefix
 from scoring.prefix import (
     chain_hashes_text,
     chain_hashes_tokens,
@@ -238,3 +240,75 @@ def test_chains_agree_exactly_on_the_blocks_of_the_common_prefix(a: str, b: str)
     assert ca[:k] == cb[:k]
     if k < min(len(ca), len(cb)):
         assert ca[k] != cb[k]
+
+
+def test_a_memoised_dense_head_hashes_exactly_as_a_fresh_one() -> None:
+    # Full dense heads are memoised from their second sighting on; the chain must never depend on
+    # what was hashed before.
+    text = ("".join(chr(97 + i * 5 % 26) for i in range(64 * 300))).encode()
+    prefix._HEADS.clear()
+    kw = {"seed": SEED, "max_blocks": 64, "tail_ratio": 16, "tail_blocks": 128}
+    fresh = chain_hashes_text(text, **kw)
+    assert not prefix._HEADS  # seen once: not kept yet
+    assert chain_hashes_text(text, **kw) == fresh
+    assert len(prefix._HEADS) == 1  # seen twice: kept
+    again = chain_hashes_text(text, **kw)  # served from the memo
+    assert again == fresh and again is not chain_hashes_text(text, **kw)  # a copy each time
+    again.append(0)  # ... which the caller may extend without touching the memo
+    assert chain_hashes_text(text, **kw) == fresh
+    # The last byte of the head differs: the last dense block and everything after change.
+    edited = text[: 64 * 64 - 1] + b"#" + text[64 * 64 :]
+    other = chain_hashes_text(edited, **kw)
+    assert other[:63] == fresh[:63] and all(
+        a != b for a, b in zip(other[63:], fresh[63:], strict=True)
+    )
+    assert chain_hashes_text(edited, **kw) == other  # memoised: the same
+    # Another seed (model, namespace, salt) or block size never reuses the entry.
+    assert not set(chain_hashes_text(text, **{**kw, "seed": SEED + 1})) & set(fresh)
+    half = chain_hashes_text(text, block_chars=32, seed=SEED, max_blocks=64)
+    assert half[0] != fresh[0]
+    # Token chains go through the same memo and agree with an unmemoised (short) computation.
+    ids = [1000 + i % 3000 for i in range(16 * 100)]
+    t1 = chain_hashes_tokens(ids, block_size=16, seed=SEED, max_blocks=64)
+    assert chain_hashes_tokens(ids, block_size=16, seed=SEED, max_blocks=64) == t1
+    assert chain_hashes_tokens(ids, block_size=16, seed=SEED, max_blocks=65)[:64] == t1
+    # Only full heads are kept: a prompt shorter than the head is all head, rarely sent twice.
+    kept = len(prefix._HEADS)
+    for _ in range(3):
+        chain_hashes_tokens(ids, block_size=16, seed=SEED, max_blocks=256)
+        chain_hashes_text(text[:5000], seed=SEED, max_blocks=256)
+    assert len(prefix._HEADS) == kept
+
+
+def test_the_head_memo_is_bounded_and_keeps_only_heads_seen_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prefix, "HEAD_MEMO_BYTES", 10 * (64 * 64 + 48 * 64))
+    prefix._HEADS.clear()
+    heads = [f"{i:05d}".encode() * 1000 for i in range(35)]
+    for text in heads:  # one-off heads: nothing kept
+        chain_hashes_text(text, seed=SEED, max_blocks=64)
+    assert not prefix._HEADS
+    for text in heads:  # seen again: kept, 10 at most, and still hashed right
+        want = chain_hashes_text(text, seed=SEED, max_blocks=64)
+        assert len(prefix._HEADS) <= 10
+        assert chain_hashes_text(text, seed=SEED, max_blocks=64) == want
+    assert len(prefix._HEADS) == 10
+    prefix._HEADS.clear()
+
+
+def test_render_chat_reads_any_mapping_and_str_subclass_like_dicts_and_strs() -> None:
+    class Text(str):
+        pass
+
+    msgs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "ok"}], "tool_call_id": "c1"},
+    ]
+    want = render_chat(msgs, [{"type": "function"}])
+    proxied = [MappingProxyType(m) for m in msgs]
+    assert render_chat(proxied, [{"type": "function"}]) == want
+    subclassed = [{k: Text(v) if isinstance(v, str) else v for k, v in m.items()} for m in msgs]
+    assert render_chat(subclassed, [{"type": "function"}]) == want
