@@ -20,32 +20,13 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.peers import free_ports
 from gateway.app import Gateway, create_app
 from gateway.config import Settings
+from gateway.redis_server import RedisServer, free_port
 from gateway.server import build_server
 
 MODEL = "sim-llama"
-
-
-def free_ports(n: int) -> int:
-    """First of n consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free consecutive ports")
 
 
 @dataclass
@@ -79,6 +60,17 @@ def start_sims(n: int, *args: str, profile: str = "fast") -> SimProcess:
             raise RuntimeError(f"simulated workers not healthy: {pending}")
         time.sleep(0.05)
     return SimProcess(proc, urls)
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    """A real redis-server on a free port, shared by a test module."""
+    server = RedisServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -17,31 +17,20 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from redis.asyncio import Redis
 
 from gateway.app import Gateway
-from gateway.redis_server import RedisServer, free_port
+from gateway.redis_server import RedisServer
 from tests.gateway.conftest import MODEL, RunningGateway, free_ports, run_gateway, settings_for
 
 # Steps of 20-40 ms: a 2,000-token stream lasts a minute, yet costs the shared cores little.
 SLOW = ("--time-scale", "20")
 EXPIRY_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def cluster_settings(urls: list[str], redis_url: str, prefix: str, **sections: Any) -> Any:

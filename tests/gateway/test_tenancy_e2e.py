@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -62,16 +61,6 @@ def tenant_settings(
     for name, extra in over.items():
         data["tenants"][name].update(extra)
     return Settings(**data)
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 async def post(url: str, body: dict, key: str | None = KEY_A) -> httpx.Response:
