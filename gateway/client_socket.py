@@ -56,11 +56,13 @@ class AckProbe:
             sock = transport.get_extra_info("socket")
             if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
-            probe = cls(sock, transport)
-            probe.read()
-        except (OSError, ValueError):  # closed already: the disconnect watcher takes it
+            if sock.fileno() < 0:  # closed already: the disconnect watcher takes it
+                return None
+        except (OSError, ValueError):
             return None
-        return probe
+        # No read here: the stall check's first read finds a socket closed since (one less pair
+        # of syscalls per stream).
+        return cls(sock, transport)
 
     def read(self) -> tuple[int, int]:
         """(bytes the peer has acked so far, bytes still waiting for it: ours + the kernel's).
