@@ -177,6 +177,7 @@ class Gateway:
                 redis_url=settings.cluster.redis_url or settings.quota.redis_url,
                 on_freed=self.admission.kick,
                 metrics=self.metrics.registry,
+                state=self.routing_state,
             )
         self.autoscale = DesiredWorkers()
         self.metrics.registry.register(

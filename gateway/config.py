@@ -389,6 +389,16 @@ class ClusterSettings(_Section):
     expiry_s: float = Field(3.0, gt=0, le=300)
     # Budget of one sync round trip (connect included); a slower Redis counts as down.
     op_timeout_s: float = Field(0.5, gt=0)
+    # Share what each replica learns from its dispatches (approximate prefix index entries,
+    # session affinity) through a Redis stream, so a prefix routed by one replica is routed to
+    # the same worker by all; false = share load only.
+    share_learned: bool = True
+    # Batches (one per replica per sync) the stream keeps: a replica that starts reads them to
+    # warm its index. ~50-100 B per dispatch in a batch.
+    learned_stream_maxlen: int = Field(2000, ge=10)
+    # Dispatches held for sharing while Redis is unreachable (~0.2-1 KB each); the oldest are
+    # dropped beyond it.
+    learned_journal_max: int = Field(50_000, ge=1)
 
     @model_validator(mode="after")
     def _expiry_covers_intervals(self) -> ClusterSettings:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import xxhash
 
 from scoring.index import PrefixIndex
+from scoring.learned import Journal, Learned
 from scoring.precise import PreciseIndex
 from scoring.prefix import PathKind, text_key
 from scoring.session import SessionTable
@@ -149,9 +150,17 @@ class RoutingState:
         # it survives option changes (its keys depend on token ids and block size only).
         self.precise = precise
         self.sessions = SessionTable(o.session_ttl_s, o.session_max)
+        # Set by a gateway whose replicas share what they learn (gateway.cluster): every dispatch
+        # is noted here for the others, besides being learned locally.
+        self.journal: Journal | None = None
         self._key = o.key_fields()
         self._text_block_tokens = o.text_block_tokens
         self._reported: dict[str, tuple[int, int]] = {}  # worker -> (num_blocks, block_size) seen
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The options chains are hashed under (``RoutingOptions.key_fields``)."""
+        return self._key
 
     def configure(self, o: RoutingOptions) -> None:
         """Adopt new options; chains hashed under other block sizes mean nothing now, so forget."""
@@ -221,16 +230,27 @@ class _Learning:
         self.state.forget_worker(name)
 
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
+        state = self.state
         if self.needs_chain and request.chain:
-            self.state.index.record(
+            state.index.record(
                 worker_name, request.chain, dense=request.dense_blocks, tail_ends=request.tail_ends
             )
-        precise = self.state.precise
-        if precise is not None and request.block_chain:
-            precise.note_dispatch(worker_name, request.block_chain, self._clock())
+        now = self._clock()
+        if state.precise is not None and request.block_chain:
+            state.precise.note_dispatch(worker_name, request.block_chain, now)
         if request.session_id:
-            self.state.sessions.put(
-                request.session_id, worker_name, self._clock(), request.prompt_tokens
+            state.sessions.put(request.session_id, worker_name, now, request.prompt_tokens)
+        if state.journal is not None:
+            state.journal.note(
+                Learned(
+                    worker_name,
+                    request.chain if self.needs_chain else (),
+                    request.dense_blocks,
+                    request.tail_ends,
+                    request.session_id,
+                    request.prompt_tokens,
+                    now,
+                )
             )
 
     def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:

@@ -60,6 +60,18 @@ class SessionTable:
             else:
                 break
 
+    def put_if_newer(self, session_id: str, worker: str, at: float, prompt_tokens: int = 0) -> bool:
+        """Another replica's turn, dispatched at ``at`` (this clock, estimated): applied unless the
+        table holds a later turn of the session. Without the check a peer's note, a sync interval
+        late, would overwrite the turn that followed it here and pin the session to a stale
+        worker. Stored as seen at ``at``: an entry up to one sync late sits behind newer ones and
+        outlives its TTL by that much, which the front-first expiry tolerates."""
+        entry = self._table.get(session_id)
+        if entry is not None and entry[1] > at:
+            return False
+        self.put(session_id, worker, at, prompt_tokens)
+        return True
+
     def remove_worker(self, worker: str) -> int:
         """Drop every session pinned to a worker that left the fleet; returns how many."""
         gone = [sid for sid, (w, _seen, _t) in self._table.items() if w == worker]

@@ -1,0 +1,126 @@
+"""The wire form of what replicas learn from their dispatches (`scoring.learned`), for Redis.
+
+One batch per replica per sync interval, one stream entry per batch: a msgpack map
+
+    {"v": 1, "k": [routing key fields], "t": publisher's clock at publish,
+     "e": [[worker, chain, dense, tail_ends, session_id, prompt_tokens, at], ...]}
+
+``chain`` is the prefix chain packed as little-endian uint64 (8 bytes a block, a third of its
+decimal text and no float rounding); the rest are plain msgpack values. ``k`` is what makes a chain
+mean something (block size, block cap, tail ratio): a peer hashing under other options (a rollout
+in progress) still takes the batch's sessions but not its chains.
+
+Times: ``at`` (dispatch) and ``t`` (publish) are on the publisher's monotonic clock, which nobody
+else can read; the reader only uses their difference, plus the time the entry spent in Redis
+(the stream id's milliseconds against Redis' own ``TIME``: both on Redis' clock), to place each
+dispatch on its own clock. No two hosts' clocks are ever compared.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Sequence
+
+import msgpack
+
+from scoring.learned import Learned
+
+__all__ = ["decode_batch", "encode_batch", "pack_chain", "unpack_chain"]
+
+_VERSION = 1
+_SWAP = sys.byteorder != "little"
+
+
+def pack_chain(chain: Sequence[int]) -> bytes:
+    a = array("Q", chain)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_chain(raw: bytes) -> tuple[int, ...]:
+    a = array("Q")
+    a.frombytes(raw)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        a.byteswap()
+    return tuple(a)
+
+
+def encode_batch(key: Sequence[float], entries: Sequence[Learned], sent: float) -> bytes:
+    return msgpack.packb(
+        {
+            "v": _VERSION,
+            "k": list(key),
+            "t": sent,
+            "e": [
+                [
+                    e.worker,
+                    pack_chain(e.chain),
+                    e.dense,
+                    list(e.tail_ends),
+                    e.session_id,
+                    e.prompt_tokens,
+                    e.at,
+                ]
+                for e in entries
+            ],
+        },
+        use_bin_type=True,
+    )
+
+
+def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learned]] | None:
+    """``(routing key, entries)`` with every ``at`` moved onto the reader's clock: ``now`` is the
+    reader's estimate of when the batch was published (its clock, less the entry's age in Redis).
+    None for bytes this version does not read (a newer replica, or garbage): skipped, not
+    trusted. A malformed entry drops the batch: a peer that writes one wrong entry is not to be
+    trusted on the others either."""
+    try:
+        d = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        if not isinstance(d, dict) or d.get("v") != _VERSION:
+            return None
+        key, sent, rows = d["k"], d["t"], d["e"]
+        if not isinstance(key, list) or not isinstance(rows, list) or not _is_time(sent):
+            return None
+        if not all(_is_time(k) for k in key):
+            return None
+        shift = now - sent
+        out: list[Learned] = []
+        for row in rows:
+            worker, chain, dense, tails, session, tokens, at = row
+            if not (
+                isinstance(worker, str)
+                and isinstance(chain, bytes)
+                and len(chain) % 8 == 0
+                and _is_count(dense)
+                and isinstance(tails, list)
+                and all(_is_count(t) for t in tails)
+                and (session is None or isinstance(session, str))
+                and _is_count(tokens)
+                and _is_time(at)
+            ):
+                return None
+            out.append(
+                Learned(
+                    worker,
+                    unpack_chain(chain),
+                    dense,
+                    tuple(tails),
+                    session or None,
+                    tokens,
+                    min(at + shift, now),
+                )
+            )
+        return tuple(key), out
+    except (msgpack.UnpackException, ValueError, TypeError, KeyError):
+        return None
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_time(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
