@@ -3,6 +3,12 @@
 Parsed with `prometheus_client.parser` (never by hand). Current names first (vLLM >= 0.12), the
 removed `gpu_*` names only as a fallback for older servers. Every series is summed over the
 `engine` label (data-parallel ranks) and over models, so a server reads as one worker.
+
+Only the lines of the families read here reach the parser: a real vLLM 0.32 exposition is ~59 KB
+and 688 lines, mostly histogram buckets, and the pure-Python parser took 21 ms of event loop per
+scrape for all of it (64 workers probed every 2 s: two thirds of a core, in 21 ms stalls that
+every stream in flight waited out). Picking the ~20 lines first by name, a prefix test per line,
+costs ~0.4 ms; the whole parse is ~1.3 ms (tests/workers: same result as the full parse).
 """
 
 from __future__ import annotations
@@ -36,7 +42,36 @@ _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 
 
+# Every family the parse below reads (counters also as `<name>_total`: a prefix covers both).
+_READ = (
+    "process_start_time_seconds",
+    "vllm:cache_config_info",
+    *_GAUGES,
+    *_KV,
+    *_QUERIES,
+    *_HITS,
+    "vllm:num_preemptions",
+)
+
+
+def relevant_lines(text: str) -> str:
+    """The samples, HELP and TYPE lines of the families in ``_READ``; the parser needs no more.
+    A family whose name merely starts like one of them passes too, and is ignored by name."""
+    keep = [
+        line
+        for line in text.splitlines()
+        if (
+            line.startswith(_READ)
+            or (line.startswith(("# HELP ", "# TYPE ")) and line.startswith(_READ, 7))
+        )
+        and "_created" not in line[:80]  # counters' creation times: skipped below anyway
+    ]
+    keep.append("")
+    return "\n".join(keep)
+
+
 def parse_vllm_metrics(text: str) -> WorkerMetrics:
+    text = relevant_lines(text)
     sums: dict[str, float] = {}
     kv_samples: dict[str, list[float]] = {}
     block_size: int | None = None

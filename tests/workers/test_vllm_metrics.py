@@ -73,3 +73,19 @@ def test_recorded_vllm_032_metrics_parse() -> None:
     assert m.block_size and m.block_size % 16 == 0
     assert m.num_blocks and m.num_blocks > 0
     assert 0.0 <= m.kv_usage <= 1.0
+
+
+@pytest.mark.parametrize(
+    "text", [CURRENT, OLD, FIXTURE.read_text()], ids=["current", "old", "0.32"]
+)
+def test_only_the_families_read_reach_the_parser_with_the_same_result(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line filter (a 13x cheaper scrape on real vLLM text) changes no number."""
+    import workers.vllm_metrics as vm
+
+    filtered = vm.parse_vllm_metrics(text)
+    if len(text) > 10_000:  # the real exposition: mostly histogram lines, left out
+        assert len(vm.relevant_lines(text)) < len(text) / 10
+    monkeypatch.setattr(vm, "relevant_lines", lambda t: t)
+    assert vm.parse_vllm_metrics(text) == filtered
