@@ -1,8 +1,10 @@
 """The pooled HTTP client that carries requests to workers, behind a small interface.
 
-Two implementations so the choice stays a measurement, not a belief (`bench/overhead.py` runs
-both): aiohttp is the default because it adds the least latency per request on this hot path;
-httpx is kept for its API elsewhere (probes, admin, bench) and as a fallback.
+Three implementations so the choice stays a measurement, not a belief (`bench/overhead.py
+--clients` runs them side by side): `h1` (gateway/upstream_h1.py, the default) is kvgate's own
+pooled HTTP/1.1 client, which relayed ~25% more SSE events/s than aiohttp on one core and spent
+less CPU per short stream; aiohttp (the default before it, and what h1 uses for https workers) and
+httpx (its API serves probes, admin and bench) stay selectable as fallbacks.
 """
 
 from __future__ import annotations
@@ -161,5 +163,11 @@ class HttpxUpstream:
 def make_upstream(
     kind: str, *, connect_s: float, max_connections: int, keepalive_s: float
 ) -> UpstreamClient:
+    if kind == "h1":
+        from gateway.upstream_h1 import H1Upstream  # imports this module
+
+        return H1Upstream(
+            connect_s=connect_s, max_connections=max_connections, keepalive_s=keepalive_s
+        )
     cls = {"aiohttp": AiohttpUpstream, "httpx": HttpxUpstream}[kind]
     return cls(connect_s=connect_s, max_connections=max_connections, keepalive_s=keepalive_s)

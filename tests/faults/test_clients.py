@@ -112,12 +112,14 @@ class _TappedResponse:
 
     @property
     def pulled(self) -> int:
-        """Bytes the gateway has read off the worker's socket (aiohttp's payload counter)."""
-        return self._inner._r.content.total_bytes
+        """Bytes the gateway has read off the worker's socket (h1's count, aiohttp's payload
+        counter)."""
+        inner = self._inner
+        return inner.pulled if hasattr(inner, "pulled") else inner._r.content.total_bytes
 
     @property
     def buffered(self) -> int:
-        """Pulled but not yet handed to the relay: aiohttp's read buffer."""
+        """Pulled but not yet handed to the relay: the client's read buffer."""
         return self.pulled - self.yielded
 
 
@@ -146,7 +148,7 @@ async def _timed_requests(s: Stack, n: int) -> tuple[list[int], float]:
 async def test_a_slow_reader_is_throttled_not_buffered_and_others_proceed() -> None:
     # The worker produces ~4.8 MB of SSE (20,000 tokens, the `instant` profile makes it at once)
     # while the client takes one byte per tick through a 4 KiB window. Backpressure must reach
-    # the worker's socket: what the gateway itself holds (aiohttp's read buffer + the relay's
+    # the worker's socket: what the gateway itself holds (the upstream read buffer + the relay's
     # transport write buffer) stays bounded, far below the stream.
     async with run_stack(1, profile="instant", sndbuf=16384) as s:
         assert s.gw.proxy is not None

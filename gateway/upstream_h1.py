@@ -1,0 +1,363 @@
+"""A minimal pooled HTTP/1.1 client for the one call the hot path makes: POST JSON to a worker,
+stream the response back.
+
+Why not aiohttp here: per request it builds a `ClientRequest`, a `URL`, a payload object, a
+response object, timers and a `StreamReader`, and every body chunk crosses two buffers; profiled
+under the `bench overhead` ladder that was ~11% of the gateway's core (the largest single item
+after uvicorn's own send). This client writes the request as one pre-assembled buffer and feeds the
+response to httptools (the C parser uvicorn already uses for the other side), handing body chunks
+straight from `data_received` to the relay. What it leaves out is what a worker call does not use:
+redirects, cookies, proxies, compression, TLS to workers (https worker URLs go through aiohttp:
+`make_upstream` picks per URL), HTTP/2.
+
+Semantics kept from the aiohttp client (tests/faults run against both): a failure before the
+response head is `UpstreamConnectError` (the request is retried elsewhere), a body that breaks off
+is `UpstreamStreamError`; `abort` closes the connection (the worker sees the client leave),
+`release` after a full read returns it to the pool. A pooled connection the worker closed while
+idle is found by `connection_lost` and never handed out; one that dies in the instant between
+being picked and written fails as a connect error, like aiohttp's, and the proxy retries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from gateway.upstream import (
+    AiohttpUpstream,
+    UpstreamClient,
+    UpstreamConnectError,
+    UpstreamResponse,
+    UpstreamStreamError,
+)
+
+# Body bytes buffered from a worker before its socket stops being read (the relay is slower than
+# the worker: a slow client); reading resumes once the relay has taken them.
+HIGH_WATER = 256 * 1024
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to a worker; its parser outlives the responses it carries."""
+
+    def __init__(self, pool: H1Upstream, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.pulled = 0  # body bytes of the current response read off the socket
+        self.counted = True  # in the pool's open count until discarded
+        self.idle = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head: asyncio.Future[None] | None = None
+        self.body: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.done = False
+        self.keep_alive = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.paused = False
+
+    def begin(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._reset()
+        self.pulled = 0
+        self.head = loop.create_future()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(f"malformed response from worker: {e}")
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.done:
+            self._fail(f"worker closed the connection{f' ({exc})' if exc else ''}")
+        if self.idle:  # the worker closed a pooled connection: its slot is free now
+            self.pool.drop_idle(self)
+
+    # -- httptools callbacks -------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+        self.pulled += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = UpstreamStreamError(message)
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(UpstreamConnectError(message))
+        self._wake()
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk (fewer sends when the relay fell behind)."""
+        body = self.body
+        data = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Response:
+    __slots__ = ("_conn", "_pool", "_settled", "headers", "status")
+
+    def __init__(self, pool: H1Upstream, conn: _Conn) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._settled = False  # released or aborted: the connection is no longer ours
+        self.status = conn.status
+        # Lower-cased names: the only reader asks for content-type.
+        self.headers: Mapping[str, str] = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in conn.raw_headers
+        }
+
+    @property
+    def pulled(self) -> int:
+        """Body bytes read off the worker's socket so far (backpressure tests watch it)."""
+        return self._conn.pulled
+
+    async def _more(self) -> None:
+        c = self._conn
+        c.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await c.waiter
+        finally:
+            c.waiter = None
+
+    async def read(self) -> bytes:
+        c = self._conn
+        parts: list[bytes] = []
+        while True:
+            if c.body:
+                parts.append(c.take())
+            if c.done:
+                break
+            if c.error is not None:
+                raise c.error
+            await self._more()
+        await self.release()
+        return b"".join(parts)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        c = self._conn
+        while True:
+            if c.body:
+                yield c.take()
+                continue
+            if c.done:
+                return
+            if c.error is not None:
+                raise c.error
+            await self._more()
+
+    async def abort(self) -> None:
+        if not self._settled:
+            self._settled = True
+            self._pool.discard(self._conn)
+
+    async def release(self) -> None:
+        """Idempotent (a read releases, and callers release after reading): a connection handed
+        back twice would carry two requests at once."""
+        if self._settled:
+            return
+        self._settled = True
+        c = self._conn
+        if c.done and c.keep_alive and not c.closed and not c.body:
+            self._pool.put_back(c)
+        else:
+            self._pool.discard(c)
+
+
+class H1Upstream:
+    """Connections per worker (host, port), most recently used first, `max_connections` open in
+    all; past the limit an idle connection to another worker is closed to make room, else the
+    caller waits for one to come back, as aiohttp's connector does."""
+
+    def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
+        self.connect_s = connect_s
+        self.max_connections = max_connections
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._open = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._tls: UpstreamClient | None = None  # https workers: aiohttp (see the docstring)
+
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+        """(host, port) and the request line + Host header, parsed once per URL."""
+        t = self._targets.get(url)
+        if t is None:
+            u = urlsplit(url)
+            path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+            line = f"POST {path} HTTP/1.1\r\nhost: {u.netloc}\r\n".encode("latin-1")
+            if len(self._targets) > 4096:  # worker URLs come and go: never grow without end
+                self._targets.clear()
+            t = self._targets[url] = ((u.hostname or "", u.port or 80), line)
+        return t
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        if url.startswith("https:"):
+            if self._tls is None:
+                self._tls = AiohttpUpstream(
+                    connect_s=self.connect_s,
+                    max_connections=self.max_connections,
+                    keepalive_s=self.keepalive_s,
+                )
+            return await self._tls.post(url, body, headers)
+        key, line = self._target(url)
+        conn = await self._acquire(key)
+        try:
+            conn.begin(asyncio.get_running_loop())
+            head = [line]
+            for k, v in headers.items():
+                head.append(f"{k}: {v}\r\n".encode("latin-1"))
+            head.append(b"content-length: %d\r\n\r\n" % len(body))
+            head.append(body)
+            assert conn.transport is not None and conn.head is not None
+            conn.transport.write(b"".join(head))
+            await conn.head
+        except BaseException:  # connect error, timeout, cancellation: the connection is spent
+            self.discard(conn)
+            raise
+        return _Response(self, conn)
+
+    def _pop_idle(self, key: tuple[str, int], now: float) -> _Conn | None:
+        idle = self._idle.get(key)
+        while idle:
+            c = idle.pop()
+            c.idle = False
+            if not c.closed and now - c.idle_since < self.keepalive_s:
+                return c
+            self.discard(c)
+        return None
+
+    def _close_oldest_idle(self) -> bool:
+        """Free a slot held by an idle connection to any worker; False when none is idle."""
+        oldest: _Conn | None = None
+        for conns in self._idle.values():
+            if conns and (oldest is None or conns[0].idle_since < oldest.idle_since):
+                oldest = conns[0]
+        if oldest is None:
+            return False
+        self.drop_idle(oldest)
+        return True
+
+    async def _acquire(self, key: tuple[str, int]) -> _Conn:
+        c = self._pop_idle(key, time.monotonic())
+        if c is not None:
+            return c
+        while self._open >= self.max_connections and not self._close_oldest_idle():
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._wake_one()  # pass on a wake-up we were given but will not use
+                raise
+            c = self._pop_idle(key, time.monotonic())
+            if c is not None:
+                return c
+        self._open += 1
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _t, conn = await loop.create_connection(lambda: _Conn(self, key), *key)
+        except TimeoutError as e:
+            self._closed_one()
+            raise UpstreamConnectError("connect timeout") from e
+        except OSError as e:
+            self._closed_one()
+            raise UpstreamConnectError(str(e) or type(e).__name__) from e
+        except BaseException:
+            self._closed_one()
+            raise
+        return conn
+
+    def put_back(self, c: _Conn) -> None:
+        c.idle = True
+        c.idle_since = time.monotonic()
+        self._idle.setdefault(c.key, []).append(c)
+        self._wake_one()
+
+    def drop_idle(self, c: _Conn) -> None:
+        conns = self._idle.get(c.key)
+        if conns and c in conns:
+            conns.remove(c)
+        c.idle = False
+        self.discard(c)
+
+    def discard(self, c: _Conn) -> None:
+        """Close ``c`` and free its slot (once, however often it is called)."""
+        c.close()
+        if c.counted:
+            c.counted = False
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def close(self) -> None:
+        for conns in list(self._idle.values()):
+            for c in list(conns):
+                self.drop_idle(c)
+        if self._tls is not None:
+            await self._tls.close()

@@ -1,0 +1,253 @@
+"""The hot path's own HTTP/1.1 client (gateway.upstream_h1) against scripted servers: pooling,
+keep-alive, and every way a worker can fail mapped to the error the proxy retries (or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from gateway.upstream import UpstreamConnectError, UpstreamStreamError
+from gateway.upstream_h1 import H1Upstream
+from tests.gateway.conftest import free_ports
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A scripted worker; yields its URL and a list that counts accepted connections."""
+    accepted: list[int] = []
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            await handler(r, w)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        srv.close()
+
+
+async def read_request(r: asyncio.StreamReader) -> bytes:
+    head = await r.readuntil(b"\r\n\r\n")
+    n = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head + await r.readexactly(n)
+
+
+async def keep_alive_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    while True:
+        await read_request(r)
+        w.write(OK)
+        await w.drain()
+
+
+def client(**kw: float) -> H1Upstream:
+    args = {"connect_s": 1.0, "max_connections": 8, "keepalive_s": 30.0, **kw}
+    return H1Upstream(**args)  # type: ignore[arg-type]
+
+
+async def test_sequential_requests_reuse_one_connection_and_send_what_was_given() -> None:
+    seen: list[bytes] = []
+
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_request(r))
+            w.write(OK)
+            await w.drain()
+
+    async with server(h) as (url, accepted):
+        c = client()
+        for i in range(5):
+            resp = await c.post(url + "/v1/chat", b'{"i":%d}' % i, {"x-request-id": f"r{i}"})
+            assert resp.status == 200 and resp.headers["content-type"] == "application/json"
+            assert await resp.read() == b"{}"
+            await resp.release()  # after read: must not hand the connection back twice
+        assert len(accepted) == 1 and c.open_connections == 1
+        assert seen[3].startswith(b"POST /v1/chat HTTP/1.1\r\n")
+        assert b"x-request-id: r3\r\n" in seen[3] and seen[3].endswith(b'{"i":3}')
+        # Two at once need two connections: a connection never carries two requests.
+        a, b = await asyncio.gather(c.post(url, b"1", {}), c.post(url, b"2", {}))
+        assert [await a.read(), await b.read()] == [b"{}", b"{}"]
+        assert len(accepted) == 2
+        await c.close()
+        assert c.open_connections == 0
+
+
+async def test_chunked_stream_arrives_in_order_and_aborting_closes_the_connection() -> None:
+    go = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        w.write(b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(3):
+            ev = b"data: %d\n\n" % i
+            w.write(b"%x\r\n%s\r\n" % (len(ev), ev))
+            await w.drain()
+        await go.wait()
+        with contextlib.suppress(ConnectionError):
+            w.write(b"a\r\ndata: end\n\r\n0\r\n\r\n")
+            await w.drain()
+        assert await r.read() == b""  # the client hung up
+        closed.set()
+
+    async with server(h) as (url, _):
+        c = client()
+        resp = await c.post(url, b"{}", {})
+        got = b""
+        async for chunk in resp.chunks():
+            got += chunk
+            if got.count(b"\n\n") == 3:
+                break
+        assert got == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+        await resp.abort()
+        go.set()
+        await asyncio.wait_for(closed.wait(), 5)
+        assert c.open_connections == 0
+
+
+async def test_refused_is_a_connect_error_and_frees_its_slot() -> None:
+    port = free_ports(1)
+    c = client(max_connections=1)
+    for _ in range(3):
+        with pytest.raises(UpstreamConnectError):
+            await c.post(f"http://127.0.0.1:{port}/v1/chat", b"{}", {})
+    assert c.open_connections == 0
+
+
+async def test_a_worker_that_closes_before_answering_is_a_connect_error() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)  # then close without a word
+
+    async with server(h) as (url, _):
+        c = client()
+        with pytest.raises(UpstreamConnectError):
+            await c.post(url, b"{}", {})
+        assert c.open_connections == 0
+
+
+async def test_a_body_that_breaks_off_is_a_stream_error() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await w.drain()
+
+    async with server(h) as (url, _):
+        c = client()
+        resp = await c.post(url, b"{}", {})
+        with pytest.raises(UpstreamStreamError):
+            await resp.read()
+        await resp.abort()
+        assert c.open_connections == 0
+
+
+async def test_garbage_instead_of_http_is_a_connect_error() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await w.drain()
+        await r.read()
+
+    async with server(h) as (url, _):
+        c = client()
+        with pytest.raises(UpstreamConnectError):
+            await c.post(url, b"{}", {})
+        assert c.open_connections == 0
+
+
+async def test_a_pooled_connection_the_worker_closed_is_not_reused() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(OK)  # keep-alive by HTTP/1.1 default, but then the worker closes it
+        await w.drain()
+
+    async with server(h) as (url, accepted):
+        c = client()
+        for _ in range(3):
+            resp = await c.post(url, b"{}", {})
+            assert await resp.read() == b"{}"
+            await asyncio.sleep(0.05)  # the FIN arrives while the connection is idle
+        assert len(accepted) == 3
+        assert c.open_connections == 0  # each closed one gave its slot back
+
+
+async def test_connection_close_and_keepalive_expiry_are_honoured() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+            await w.drain()
+
+    async with server(h) as (url, accepted):
+        c = client()
+        for _ in range(2):
+            await (await c.post(url, b"{}", {})).read()
+        assert len(accepted) == 2 and c.open_connections == 0
+    async with server(keep_alive_ok) as (url, accepted):
+        c = client(keepalive_s=0.05)
+        await (await c.post(url, b"{}", {})).read()
+        await asyncio.sleep(0.1)
+        await (await c.post(url, b"{}", {})).read()
+        assert len(accepted) == 2 and c.open_connections == 1
+        await c.close()
+
+
+async def test_at_the_connection_limit_callers_wait_and_cancelled_waiters_leak_nothing() -> None:
+    release = asyncio.Event()
+
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            await release.wait()
+            w.write(OK)
+            await w.drain()
+
+    async with server(h) as (url, accepted):
+        c = client(max_connections=2)
+        first = [asyncio.create_task(c.post(url, b"{}", {})) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(c.post(url, b"{}", {}))
+        cancelled = asyncio.create_task(c.post(url, b"{}", {}))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and len(accepted) == 2
+        cancelled.cancel()
+        release.set()
+        for t in first:
+            r = await t
+            await r.read()
+        r = await asyncio.wait_for(waiting, 5)
+        assert await r.read() == b"{}"
+        assert len(accepted) == 2 and c.open_connections == 2
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await c.close()
+
+
+async def test_a_timeout_while_waiting_for_the_head_spends_the_connection() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await r.read()  # never answers
+
+    async with server(h) as (url, _):
+        c = client()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await c.post(url, b"{}", {})
+        assert c.open_connections == 0
