@@ -494,7 +494,7 @@ class Gateway:
 
     # -- the walk ----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        path = request.url.path
+        path: str = request.scope["path"]  # not request.url: it builds a URL object (~2.5% CPU)
         # Our own id names the request everywhere it matters (quota reservation, usage record,
         # logs, the worker's x-request-id): clients reuse and collide ids, and billing dedupes
         # on this one. The client's id is kept beside it, echoed and forwarded as a label.
