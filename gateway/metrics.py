@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,53 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.logs import log_handler
+
+# Observations a BatchedHistogram holds before it hands them to prometheus_client, so a scrape
+# during a long stream sees its gaps too (64 gaps of a 50 ms ITL: ~3 s late at most).
+_BATCH = 64
+
+
+class BatchedHistogram:
+    """Observations binned locally and added to a labelled ``Histogram`` child in bulk.
+
+    The relay observes the gap between upstream reads once per read: ``observe`` on the child
+    takes its lock and walks the buckets, ~2.4 us, which at 17 reads per short stream was ~3% of
+    the gateway's CPU (and 7-8% when relaying 256-token streams). Here an observation is a bisect
+    and two adds; ``flush`` adds the counts under the child's own bucket and sum values (the same
+    series ``observe`` would produce: tests/gateway/test_metrics_batch.py holds it to that).
+    """
+
+    __slots__ = ("_bounds", "_buckets", "_counts", "_n", "_sum", "_sum_value")
+
+    def __init__(self, child: Any) -> None:
+        # prometheus_client's Histogram child: `_upper_bounds` ends with +Inf, one bucket value
+        # per bound (non-cumulative; the exposition accumulates), one sum value.
+        self._bounds: list[float] = list(child._upper_bounds)
+        self._buckets = child._buckets
+        self._sum_value = child._sum
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._n = 0
+
+    def observe(self, v: float) -> None:
+        self._counts[bisect_left(self._bounds, v)] += 1
+        self._sum += v
+        self._n += 1
+        if self._n >= _BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._n:
+            return
+        counts = self._counts
+        for i, n in enumerate(counts):
+            if n:
+                self._buckets[i].inc(n)
+                counts[i] = 0
+        self._sum_value.inc(self._sum)
+        self._sum = 0.0
+        self._n = 0
+
 
 if TYPE_CHECKING:
     from gateway.admission import AdmissionController

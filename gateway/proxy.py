@@ -29,7 +29,7 @@ from gateway.client_socket import AckProbe
 from gateway.config import Settings, TimeoutSettings
 from gateway.errors import APIError, no_capacity, sse_error_event
 from gateway.ids import echo_headers
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import BatchedHistogram, GatewayMetrics
 from gateway.upstream import (
     UpstreamClient,
     UpstreamConnectError,
@@ -565,7 +565,7 @@ class RelayResponse(Response):
         pending = b""
         chunk = self._first
         m = self._proxy.metrics
-        inter_event = m.child(m.inter_event, call.model)
+        inter_event = BatchedHistogram(m.child(m.inter_event, call.model))
         last = time.perf_counter()
         try:
             while True:
@@ -635,6 +635,8 @@ class RelayResponse(Response):
                     "more_body": True,
                 }
             )
+        finally:
+            inter_event.flush()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send(self, send: Send, body: bytes) -> None:
