@@ -225,7 +225,13 @@ class WindowQuantile:
         if not math.isfinite(v):
             return
         slot = math.floor(now / self.slot_s)
-        newest = max(slot, self._slots[-1][0]) if self._slots else slot
+        s = self._slots
+        if s and s[-1][0] == slot:  # the common case (per request): nothing can expire
+            counts = s[-1][1]
+            b = self._bucket(max(v, 0.0))
+            counts[b] = counts.get(b, 0) + 1
+            return
+        newest = max(slot, s[-1][0]) if s else slot
         self._expire(newest)
         if newest - slot >= self.n_slots:
             return  # already outside the window
