@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= config.example.toml
 
-.PHONY: run test lint fmt clean
+.PHONY: run test test-fast lint fmt clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q
+
+# Everything but the real-vLLM suite (tests/integration): for local iteration; CI runs `make test`.
+test-fast: lint
+	$(BIN)/pytest -q -m 'not integration'
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .

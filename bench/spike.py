@@ -1,4 +1,4 @@
-"""Overload acceptance run (issue 9): a spike to 5x the simulated fleet's capacity, with and
+"""Overload acceptance run: a spike to 5x the simulated fleet's capacity, with and
 without admission control, on 127.0.0.1.
 
     .venv/bin/kvgate bench spike                          # 2.5 min on 2 cores

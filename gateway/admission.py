@@ -1,6 +1,6 @@
 """The admission queue: what a request does when no worker has room for it.
 
-Overload must be boring (ARCHITECTURE.md, principle 5): a spike is answered by a bounded wait with a
+Overload must be boring: a spike is answered by a bounded wait with a
 deadline, served by tenant priority and fairly within a priority, and whoever cannot be served in
 time gets an OpenAI-shaped 429 or 503 with ``Retry-After`` at once rather than a hung socket. The
 queue never admits beyond the room the caller reports, so queueing adds latency to low-priority

@@ -179,10 +179,6 @@ class LimitSpec:
     cost: int
     model: str = ""  # set for scope "model": settlement matches it against the record
 
-    @property
-    def emission_us(self) -> float:
-        return PERIOD_US / self.rate
-
 
 # --------------------------------------------------------------------------------------------
 # Keys

@@ -27,24 +27,11 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import Protocol
 
-__all__ = ["BYTES_PER_ENTRY", "PrefixIndex", "PrefixLookup"]
+__all__ = ["BYTES_PER_ENTRY", "PrefixIndex"]
 
 BYTES_PER_ENTRY = 200
 """Upper bound on memory per (worker, block) entry (measured ~190 B unshared, ~117 B shared)."""
-
-
-class PrefixLookup(Protocol):
-    """What a policy needs from an index; the precise (KV-event) index will offer the same."""
-
-    def match(self, chain: Sequence[int]) -> dict[str, int]: ...
-
-    def record(
-        self, worker: str, chain: Sequence[int], *, dense: int = 0, tail_ends: Sequence[int] = ()
-    ) -> None: ...
-
-    def remove_worker(self, worker: str) -> None: ...
 
 
 class PrefixIndex:

@@ -15,7 +15,7 @@ first byte) count toward the same N, so a dead worker is ejected at the speed of
 than at the speed of probes. Probe successes do not reset the passive streak: a worker can answer
 `/health` and fail every request, and that worker must not be saved by its own health check.
 
-A worker that went out because *requests* failed is not readmitted by `/health` (issue 14: it
+A worker that went out because *requests* failed is not readmitted by `/health` (it
 answered 200 there, was readmitted ~40 ms after each ejection, flapped 13 times a second and a
 third of the requests needed a retry). It is held out like a breaker ejection, then goes
 **half-open**: it takes at most `half_open_requests` requests at once and is healthy again only
@@ -23,7 +23,7 @@ when one of them succeeds (first byte of a stream, or a whole non-5xx response);
 it again with a doubled hold. A worker that went out through failed probes alone (nothing it was
 sent failed) is readmitted by probes as before: it has shown no request failure to re-test.
 
-Protections on top of that state machine (issue 9):
+Protections on top of that state machine:
 
 - **Drain** (`drain`): an operator takes a worker out of routing (`candidates`) while its
   in-flight requests finish and its probes go on; `drained` says when it is safe to restart it.

@@ -1,4 +1,4 @@
-"""A worker that passes `/health` but fails every request (issue 14, item 3).
+"""A worker that passes `/health` but fails every request.
 
 Before the fix, three consecutive request failures marked it unhealthy, the next `/health` probe
 (poked at once by the passive failure) readmitted it milliseconds later, and readmission wiped

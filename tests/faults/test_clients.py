@@ -1,8 +1,7 @@
 """Misbehaving clients on raw sockets: slow readers, disconnects, slow uploads, huge headers.
 
 Each test ends with the leak check (`Stack.assert_quiescent`): no worker slot, tenant lease or
-open reservation, engine request or gateway request task may outlive the client. Behaviours the
-gateway does not have yet are xfail(strict=True) with what is missing in the reason.
+open reservation, engine request or gateway request task may outlive the client.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from tests.faults.conftest import (
     memory_watch,
     run_stack,
 )
-from tests.gateway.conftest import run_gateway, start_sims
+from tests.gateway.conftest import run_gateway, start_sims, until
 
 
 def chat(i: int, max_tokens: int = 32) -> dict[str, Any]:
@@ -99,7 +99,12 @@ async def test_load_through_a_redis_restart() -> None:
                 heap.mark()
 
                 async def outage() -> None:
-                    await asyncio.sleep(0.4)  # requests in flight on both tenants
+                    await until(  # requests in flight (both tenants send from the start)
+                        lambda: sum(w.in_flight for w in st.gw.registry.workers.values()) >= 4,
+                        10,
+                        "requests in flight",
+                        step=0.001,
+                    )
                     redis.kill()
                     await asyncio.sleep(1.5)
                     await asyncio.to_thread(redis.start)

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,16 @@ class RunningGateway:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{len(self.gw.registry.healthy())} of {n} workers healthy")
             await asyncio.sleep(0.02)
+
+
+async def until(pred: Callable[[], bool], timeout: float, what: str, step: float = 0.005) -> float:
+    """Seconds until `pred()` holds (polling, never a fixed sleep); fails after `timeout`."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(step)
+    return time.monotonic() - t0
 
 
 def flat_metrics(text: str) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Output caps, reservations and malformed fields (issue 14, items 1, 6, 7), per endpoint.
+"""Output caps, reservations and malformed fields per endpoint: the token-cap bypass, reserve-what-the-worker-reads, malformed limits.
 
 A tenant's `max_output_tokens` must bound what a worker generates whichever field the worker
 reads its limit from (vLLM: `max_tokens` on /v1/completions; `max_completion_tokens`, then

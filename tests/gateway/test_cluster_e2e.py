@@ -1,4 +1,4 @@
-"""Gateway replicas sharing per-worker load through a real Redis ([cluster], issue 16).
+"""Gateway replicas sharing per-worker load through a real Redis ([cluster]).
 
 Two (or three) real gateways, simulated workers in a child process, one real redis-server: a
 replica's queue signals and a worker's fleet-wide concurrency cap count the other replicas'
@@ -17,7 +17,6 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,14 @@ from redis.asyncio import Redis
 
 from gateway.app import Gateway
 from gateway.redis_server import RedisServer
-from tests.gateway.conftest import MODEL, RunningGateway, free_ports, run_gateway, settings_for
+from tests.gateway.conftest import (
+    MODEL,
+    RunningGateway,
+    free_ports,
+    run_gateway,
+    settings_for,
+    until,
+)
 
 # Steps of 20-40 ms: a 2,000-token stream lasts a minute, yet costs the shared cores little.
 SLOW = ("--time-scale", "20")
@@ -65,16 +71,6 @@ async def hold(c: httpx.AsyncClient, url: str, started: asyncio.Event | None = N
         async for _ in r.aiter_raw():
             if started is not None:
                 started.set()
-
-
-async def until(pred: Callable[[], bool], timeout: float, what: str, step: float = 0.005) -> float:
-    """Seconds until `pred()` holds (polling); fails after `timeout`."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(step)
-    return time.monotonic() - t0
 
 
 def local(gw: Gateway) -> dict[str, int]:

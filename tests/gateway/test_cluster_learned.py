@@ -1,5 +1,5 @@
 """Replicas share what they learn: a prefix or session routed by one gateway replica is routed to
-the same worker by the others, with KV events off (issue 16). Real gateways, a real Redis,
+the same worker by the others, with KV events off. Real gateways, a real Redis,
 simulated workers in a child process."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 
 from gateway.redis_server import RedisServer
-from tests.gateway.conftest import MODEL, RunningGateway, run_gateway
-from tests.gateway.test_cluster_e2e import cluster_settings, prefix, until
+from tests.gateway.conftest import MODEL, RunningGateway, run_gateway, until
+from tests.gateway.test_cluster_e2e import cluster_settings, prefix
 
 PROMPTS = 12  # a replica that learned nothing matches all of them by luck once in 4,096 runs
 

@@ -16,6 +16,7 @@ from tests.gateway.conftest import (
     run_gateway,
     run_scripted_worker,
     settings_for,
+    until,
 )
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about KV caches."}]}
@@ -137,7 +138,7 @@ async def test_unknown_model_404_and_no_healthy_worker_503(sims) -> None:  # typ
         assert r.status_code == 404
         assert r.json()["error"]["code"] == "model_not_found"
         fleet.kill()
-        await asyncio.sleep(1.0)  # > unhealthy_after x interval
+        await until(lambda: not g.gw.registry.healthy(), 10, "the worker is seen down")
         r = await post(g.url + "/v1/chat/completions", CHAT)
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "service_unavailable"

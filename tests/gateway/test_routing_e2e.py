@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from gateway.config import load_settings
-from tests.gateway.conftest import MODEL, run_gateway, settings_for
+from tests.gateway.conftest import MODEL, run_gateway, settings_for, until
 
 rng = random.Random(1234)
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "block", "prefix", "route"]
@@ -130,14 +130,14 @@ async def test_weight_edits_apply_live_and_invalid_edits_change_nothing(
         bg = asyncio.create_task(background(g.url))
         assert len(await workers_for(g.url)) == 1  # pure affinity: one holder
         write_config(cfg, fleet.urls, BLIND)
-        await asyncio.sleep(1.0)
-        assert g.gw.settings.routing.weights.prefix == 0.0
+        await until(lambda: g.gw.settings.routing.weights.prefix == 0.0, 10, "reload applied")
         assert len(await workers_for(g.url)) > 1  # blind scorer: random spread
         m = await g.metrics()
         assert m["kvgate_config_reloads_total"] == 1
         # An invalid edit (negative weight) is rejected whole: still the blind weights.
         write_config(cfg, fleet.urls, BLIND.replace("queue = 0.0", "queue = -1"))
-        await asyncio.sleep(1.0)
+        errors = "kvgate_config_reload_errors_total"
+        await until(lambda: g.gw.metrics.registry.get_sample_value(errors) == 1, 10, "refused")
         m = await g.metrics()
         assert m["kvgate_config_reload_errors_total"] == 1
         assert g.gw.settings.routing.weights.queue == 0.0

@@ -88,7 +88,7 @@ def msgs(*m: object) -> bytes:
     return body(model="m", messages=list(m))
 
 
-# Issue 14 item 7: what OpenAI (and vLLM, for most) answer with a 400 must not reach a worker,
+# What OpenAI (and vLLM, for most) answer with a 400 must not reach a worker,
 # and the error names the offending field as OpenAI does.
 @pytest.mark.parametrize(
     "path, raw, param",

@@ -24,6 +24,8 @@ from tests.integration.conftest import (
 )
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
+pytestmark = pytest.mark.integration
+
 END = (-1).to_bytes(8, "big", signed=True)
 
 

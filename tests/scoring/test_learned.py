@@ -1,4 +1,4 @@
-"""What replicas learn from each other's dispatches (scoring.learned, issue 16): a replayed
+"""What replicas learn from each other's dispatches (scoring.learned): a replayed
 dispatch must teach a peer exactly what the dispatch taught the replica that made it."""
 
 from __future__ import annotations

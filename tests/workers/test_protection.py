@@ -1,5 +1,5 @@
-"""Worker protections (issue 9): drain, deep health probes, circuit breaker, TTFT outliers; held
-ejection and half-open readmission of workers whose requests fail (issue 14)."""
+"""Worker protections : drain, deep health probes, circuit breaker, TTFT outliers; held
+ejection and half-open readmission of workers whose requests fail."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_outcomes_of_an_ejected_worker_are_not_recorded() -> None:
     assert w.health is Health.HEALTHY and list(w.outcomes) == [False]
 
 
-# -- requests failing while /health says 200 (issue 14) ------------------------------------------
+# -- requests failing while /health says 200 ----------------------------------------------------
 def test_failing_every_request_while_health_says_200_holds_backs_off_and_needs_a_trial() -> None:
     clock = Clock()
     seen: list[tuple[Health, Health]] = []

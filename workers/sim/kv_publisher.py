@@ -199,10 +199,6 @@ class KVEventPublisher:
             raise OSError(e.errno, f"cannot bind {endpoint}: {e.strerror}") from e
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq
-
     def start(self) -> None:
         """Start answering replay requests (needs the running loop the worker serves on)."""
         if self._router is not None and (self._replay_task is None or self._replay_task.done()):
