@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,22 @@ def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
     }
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(
+    s: Any, healthy: int = 2
+) -> AsyncIterator[tuple[RunningGateway, RunningGateway, httpx.AsyncClient]]:
+    """Two gateway replicas on the same settings (one Redis), both seeing `healthy` workers,
+    and a client."""
+    async with (
+        run_gateway(s) as a,
+        run_gateway(s) as b,
+        httpx.AsyncClient(timeout=60) as c,
+    ):
+        await a.wait_healthy(healthy)
+        await b.wait_healthy(healthy)
+        yield a, b, c
+
+
 async def hold(c: httpx.AsyncClient, url: str, started: asyncio.Event | None = None) -> None:
     """A long stream, read to the end (or until cancelled, which hangs up on the gateway)."""
     async with c.stream("POST", url + "/v1/chat/completions", json=chat(2000)) as r:
@@ -94,13 +111,7 @@ async def test_replicas_count_each_others_load_and_share_the_concurrency_cap(
     ns = prefix()
     adm = {"worker_concurrency": 3, "priority_reserve": 0.0}
     s = cluster_settings(fleet.urls, redis.url, ns, admission=adm)
-    async with (
-        run_gateway(s) as a,
-        run_gateway(s) as b,
-        httpx.AsyncClient(timeout=60) as c,
-    ):
-        await a.wait_healthy(2)
-        await b.wait_healthy(2)
+    async with two_replicas(s) as (a, b, c):
         assert a.gw.cluster is not None and b.gw.cluster is not None
         assert a.gw.cluster.replica_id != b.gw.cluster.replica_id
         streams = [asyncio.create_task(hold(c, a.url)) for _ in range(4)]
@@ -166,13 +177,7 @@ async def test_staleness_a_dispatch_on_one_replica_reaches_the_other(
     fleet = sims(2, *SLOW)
     s = cluster_settings(fleet.urls, redis.url, prefix())
     delays: list[float] = []
-    async with (
-        run_gateway(s) as a,
-        run_gateway(s) as b,
-        httpx.AsyncClient(timeout=60) as c,
-    ):
-        await a.wait_healthy(2)
-        await b.wait_healthy(2)
+    async with two_replicas(s) as (a, b, c):
         streams: list[asyncio.Task[None]] = []
         try:
             for k in range(1, 25):
@@ -263,13 +268,7 @@ async def test_redis_dying_mid_run_changes_nothing_clients_see(sims: Any) -> Non
     fleet = sims(2, *SLOW)
     with RedisServer() as redis:
         s = cluster_settings(fleet.urls, redis.url, prefix())
-        async with (
-            run_gateway(s) as a,
-            run_gateway(s) as b,
-            httpx.AsyncClient(timeout=60) as c,
-        ):
-            await a.wait_healthy(2)
-            await b.wait_healthy(2)
+        async with two_replicas(s) as (a, b, c):
             statuses: list[int] = []
             stop = asyncio.Event()
 

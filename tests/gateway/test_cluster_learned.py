@@ -13,7 +13,7 @@ import httpx
 
 from gateway.redis_server import RedisServer
 from tests.gateway.conftest import MODEL, RunningGateway, run_gateway, until
-from tests.gateway.test_cluster_e2e import cluster_settings, prefix
+from tests.gateway.test_cluster_e2e import cluster_settings, prefix, two_replicas
 
 PROMPTS = 12  # a replica that learned nothing matches all of them by luck once in 4,096 runs
 
@@ -48,13 +48,7 @@ async def test_a_prefix_routed_by_one_replica_goes_to_the_same_worker_through_an
 ) -> None:
     fleet = sims(2)
     s = cluster_settings(fleet.urls, redis.url, prefix())
-    async with (
-        run_gateway(s) as a,
-        run_gateway(s) as b,
-        httpx.AsyncClient(timeout=60) as c,
-    ):
-        await a.wait_healthy(2)
-        await b.wait_healthy(2)
+    async with two_replicas(s) as (a, b, c):
         first = [await send(c, a, convo(i)) for i in range(PROMPTS)]
         assert len(set(first)) == 2  # both workers hold some: a match is not "always w0"
         await until(lambda: applied(b) >= PROMPTS, 10, "B learned A's dispatches")
@@ -81,13 +75,7 @@ async def test_without_sharing_the_other_replica_routes_blind(
     fleet = sims(2)
     s = cluster_settings(fleet.urls, redis.url, prefix())
     s = s.model_copy(update={"cluster": s.cluster.model_copy(update={"share_learned": False})})
-    async with (
-        run_gateway(s) as a,
-        run_gateway(s) as b,
-        httpx.AsyncClient(timeout=60) as c,
-    ):
-        await a.wait_healthy(2)
-        await b.wait_healthy(2)
+    async with two_replicas(s) as (a, b, c):
         first = [await send(c, a, convo(i)) for i in range(PROMPTS)]
         await asyncio.sleep(0.3)  # several sync intervals
         second = [await send(c, b, convo(i, turns=2)) for i in range(PROMPTS)]
@@ -103,13 +91,7 @@ async def test_sessions_follow_across_replicas_and_staleness_is_measured(
     interval; asserted only loosely, the cores are shared)."""
     fleet = sims(2)
     s = cluster_settings(fleet.urls, redis.url, prefix(), routing={"policy": "session"})
-    async with (
-        run_gateway(s) as a,
-        run_gateway(s) as b,
-        httpx.AsyncClient(timeout=60) as c,
-    ):
-        await a.wait_healthy(2)
-        await b.wait_healthy(2)
+    async with two_replicas(s) as (a, b, c):
         delays: list[float] = []
         first = []
         table = b.gw.routing_state.sessions
@@ -145,13 +127,7 @@ async def test_dispatches_made_while_redis_is_down_are_shared_when_it_returns(
     fleet = sims(2)
     with RedisServer() as redis:
         s = cluster_settings(fleet.urls, redis.url, prefix())
-        async with (
-            run_gateway(s) as a,
-            run_gateway(s) as b,
-            httpx.AsyncClient(timeout=60) as c,
-        ):
-            await a.wait_healthy(2)
-            await b.wait_healthy(2)
+        async with two_replicas(s) as (a, b, c):
             assert a.gw.cluster is not None
             redis.kill()
             await until(lambda: a.gw.cluster.state == "degraded", 5, "A degraded")  # type: ignore[union-attr]
