@@ -146,6 +146,10 @@ class RoutingOptions:
     # also costs the fleet a prefill and a second copy of the prefix: on the Mooncake replay at 5x
     # load, 10 lifted the hit rate 20.8% -> 35.0% and cut p99 TTFT 1.99 s -> 1.51 s.
     affinity_slack: float = 10.0
+    # The `prefix` policy's load guard: its holder yields when its outstanding requests exceed
+    # the least loaded candidate's by more than this many AND this many times (both).
+    affinity_max_excess: float = 32.0
+    affinity_max_ratio: float = 2.0
     # -- saturation: such workers are left out while any worker is below both --
     saturation_kv: float = 0.90
     saturation_waiting: float = 8.0

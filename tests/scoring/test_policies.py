@@ -177,7 +177,8 @@ def test_a_hot_prefix_spreads_over_the_fleet_instead_of_piling_onto_its_holder()
         in_flight[name] = sent
     assert max(in_flight["kv_aware"].values()) <= 20  # no worker above 50%
     assert len(in_flight["kv_aware"]) == 4
-    assert max(in_flight["prefix"].values()) == 40  # the affinity-only baseline piles up
+    # The affinity-only baseline piles up until its load guard (32 above the least loaded).
+    assert max(in_flight["prefix"].values()) == 33 and len(in_flight["prefix"]) > 1
 
 
 def test_the_prefix_is_replicated_so_later_hits_find_several_holders() -> None:
@@ -378,14 +379,45 @@ def test_prefix_policy_picks_the_longest_holder_and_spreads_misses_and_ties() ->
     p = PrefixAffinity(rng=random.Random(0))
     warm(p, "a", chat("x", system=SYSTEM[:1000]))  # shares ~1000 chars of the system prompt
     warm(p, "b", chat("x"))
-    busy = [WorkerView("a"), WorkerView("b", waiting=50), WorkerView("c")]
+    busy = [WorkerView("a"), WorkerView("b", waiting=30), WorkerView("c")]
     d = p.choose(busy, key(p, chat("y")))
-    assert d.worker.name == "b" and d.reason == "affinity"  # load is not its business
+    assert d.worker.name == "b" and d.reason == "affinity"  # below the guard: load is no reason
     miss = Counter(p.choose(busy, key(p, chat("y", system="other"))).reason for _ in range(30))
     assert miss == {"random": 30}
     warm(p, "c", chat("x"))
     picks = Counter(p.choose(busy, key(p, chat("y"))).worker.name for _ in range(200))
     assert set(picks) == {"b", "c"} and min(picks.values()) > 50
+
+
+def test_prefix_policy_yields_a_holder_far_above_the_least_loaded() -> None:
+    p = PrefixAffinity(rng=random.Random(0))
+    warm(p, "b", chat("x"))
+    over = [WorkerView("a", in_flight=10), WorkerView("b", in_flight=43), WorkerView("c")]
+    d = p.choose(over, key(p, chat("y")))
+    assert d.reason == "balance" and d.worker.name in {"a", "c"}
+    # Both thresholds must be passed: 33 above a floor of 40 is less than twice it.
+    near = [WorkerView("a", in_flight=40), WorkerView("b", in_flight=73)]
+    assert p.choose(near, key(p, chat("y"))).worker.name == "b"
+
+
+def test_one_shared_first_block_spreads_over_the_fleet_under_the_prefix_policy() -> None:
+    """Every request shares its system prompt (the collapse: all to one worker, forever). With
+    requests finishing at a fixed rate per worker, the guard keeps every worker busy and no
+    queue far above the others."""
+    p = PrefixAffinity(rng=random.Random(1))
+    names = [f"w{i}" for i in range(8)]
+    load = dict.fromkeys(names, 0)
+    rng = random.Random(2)
+    for i in range(4000):
+        views = [WorkerView(n, in_flight=load[n]) for n in names]
+        d = p.choose(views, key(p, chat(f"question {i} " * 5)))
+        p.on_dispatch(d.worker.name, key(p, chat(f"question {i} " * 5)))
+        load[d.worker.name] += 1
+        for n in names:  # each worker finishes about one request per arrival / 8
+            if load[n] and rng.random() < 0.13:
+                load[n] -= 1
+    assert min(load.values()) > 0, load
+    assert max(load.values()) - min(load.values()) <= 2 * 32 + 8, load
 
 
 def test_session_policy_is_sticky_until_its_worker_saturates() -> None:
