@@ -52,6 +52,9 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import xxhash
 
+from bench.conversations import PREFIX as CONVERSATION
+from bench.conversations import ConversationSpec, conversation
+
 MOONCAKE_BLOCK_TOKENS = 512
 TOKEN_LOW, TOKEN_HIGH = 1000, 50000  # below 1000 are the sim tokenizer's words/generated ids
 
@@ -596,10 +599,13 @@ def synthetic(spec: SyntheticSpec) -> Trace:
 
 
 def detect_format(path: str | Path) -> str:
-    """`mooncake` | `azure` | `weka-agentic` | `kvgate` | `synthetic`, from the file's content."""
+    """`mooncake` | `azure` | `weka-agentic` | `kvgate` | `synthetic` | `conversation`, from the
+    file's content (the generators from their spec)."""
     text = str(path)
     if text.startswith("synthetic"):
         return "synthetic"
+    if text.startswith(CONVERSATION):
+        return CONVERSATION
     p = Path(path)
     if p.is_dir():
         if any(p.glob("*.json")):
@@ -629,8 +635,8 @@ def detect_format(path: str | Path) -> str:
 
 def check_trace_path(path: str | Path) -> None:
     """Raise `TraceNotFoundError` (one readable line, naming the shipped samples) for a path that
-    does not exist; `synthetic:...` specs are not paths."""
-    if str(path).startswith("synthetic") or Path(path).exists():
+    does not exist; `synthetic:...` and `conversation:...` specs are not paths."""
+    if str(path).startswith(("synthetic", CONVERSATION)) or Path(path).exists():
         return
     from bench.paths import TRACES_DIR, shown
 
@@ -659,6 +665,8 @@ def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trac
     if fmt == "synthetic":
         spec = SyntheticSpec.parse(str(path))
         return synthetic(spec)
+    if fmt == CONVERSATION:
+        return conversation(ConversationSpec.parse(str(path)))
     raise TraceError(f"unknown trace format {fmt!r}")
 
 
