@@ -55,6 +55,22 @@ def drain(
 # ---- prefix caching ------------------------------------------------------------------------------
 
 
+def test_a_short_tail_after_a_long_cached_context_costs_more_than_the_tail_alone() -> None:
+    """The tail attends to the whole context (profiles.py: the context term); the cache saves
+    computing the context, not attending to it."""
+    engine = Engine(EngineConfig(num_blocks=4096, block_size=16, max_model_len=65_536), GPU)
+    history = prompt(32_000)
+    one(engine, SimRequest("ctx", history, 1))
+    after = one(engine, SimRequest("turn", history + prompt(512, base=90_000), 1), at=100.0)
+    assert after.cached_tokens >= 31_990
+    fresh = Engine(EngineConfig(num_blocks=4096, block_size=16, max_model_len=65_536), GPU)
+    alone = one(fresh, SimRequest("alone", prompt(512, base=90_000), 1))
+    ttft_after = after.first_token_time - after.arrival  # type: ignore[operator]
+    ttft_alone = alone.first_token_time - alone.arrival  # type: ignore[operator]
+    # 512 x 32k pairs at 8.42e-7 ms: ~13.8 ms on top of the ~24 ms the tail costs alone
+    assert ttft_after - ttft_alone == pytest.approx(8.42e-7 * 512 * 32_000 / 1000, rel=0.2)
+
+
 def test_second_identical_prompt_hits_every_full_block() -> None:
     engine = Engine(EngineConfig(num_blocks=256, block_size=16), FAST)
     first = one(engine, SimRequest("a", prompt(100), 4))
@@ -225,6 +241,13 @@ def test_decode_steps_slow_down_as_the_kv_cache_fills() -> None:
     assert profile.step_seconds(0, 1, 0.5) < profile.step_seconds(0, 200, 0.5)
     assert profile.step_seconds(0, 0, 0.9) == 0.0  # an idle step costs nothing
     assert profile.step_seconds(1000, 4, 0.5) > profile.step_seconds(0, 4, 0.5)
+    # the same 1k uncached tokens cost more after a long cached context (attention to it), and
+    # exactly the fitted curve when there is none
+    tail = profile.step_seconds(1000, 0, 0.0)
+    assert tail * 1000 == pytest.approx(profile.prefill_ms(1000))
+    long_ctx = profile.step_seconds(1000, 0, 0.0, 1000 * 150_000)
+    assert long_ctx * 1000 == pytest.approx(profile.prefill_ms(1000) + 8.42e-7 * 1000 * 150_000)
+    assert long_ctx > 4 * tail
 
 
 # ---- scheduling ----------------------------------------------------------------------------------

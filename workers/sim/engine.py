@@ -664,20 +664,24 @@ class Engine:
     def _execute(self, scheduled: list[tuple[_Req, int]], num_preempted: int) -> StepOutput:
         outputs: list[RequestOutput] = []
         prefill_tokens = 0
+        context_pairs = 0  # prefill tokens x the tokens already computed before them
         decode_seqs = 0
         finished = False
         stats = self._stats
         # KV usage while the step runs: blocks of requests finishing in it are still held.
         kv_usage = self._num_used / self.config.num_blocks
         for r, n in scheduled:
+            before = r.num_computed
             r.num_computed += n
             if r.num_computed < r.num_tokens:  # a prefill chunk that does not reach the end
                 prefill_tokens += n
+                context_pairs += n * before
                 continue
             if n == 1 and r.num_out:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
+                context_pairs += n * before
             if r.num_out == 0:
                 stats.prompt_tokens += r.prompt_len
             if r.num_out < r.limit:
@@ -707,7 +711,9 @@ class Engine:
         if finished:
             self._running = [r for r in self._running if r.rid in self._requests]
         if scheduled:
-            duration = self.profile.step_seconds(prefill_tokens, decode_seqs, kv_usage)
+            duration = self.profile.step_seconds(
+                prefill_tokens, decode_seqs, kv_usage, context_pairs
+            )
         else:  # cannot happen for validated requests; never let a caller's clock stand still
             duration = max(self.profile.floor_ms, 1.0) / 1000.0
         return StepOutput(duration, outputs, prefill_tokens, decode_seqs, num_preempted)

@@ -11,7 +11,18 @@ engine) fitted on vLLM, with the mocker's own coefficients:
     prefill_ms(T) = 4.21e-7 * T^2 + 1.518e-2 * T + 16.5     T = uncached prompt tokens in the step
     decode_ms(u)  = -25.74 * u^2 + 54.01 * u + 5.74         u = KV-cache usage fraction (0..1)
 
-plus `decode_ms_per_seq` (0.01 ms per decoding sequence, our addition): the mocker's decode curve
+plus two terms of our own. The context term: new tokens attend to every token before them, and
+the mocker's quadratic was fitted on prompts computed from scratch, where a prompt of T tokens
+forms T^2/2 such (new, earlier) pairs and costs prefill_a * T^2, i.e. 2 * prefill_a per pair.
+A chunk of n tokens computed after p tokens already in the KV cache (a prefix-cache hit, or the
+earlier chunks of a chunked prefill) forms n * p more pairs, so it costs
+
+    prefill_ctx_ms = prefill_ctx_a * sum(n * p)    prefill_ctx_a = 2 * prefill_a (8.42e-7)
+
+Without it the uncached tail of a 150k-token agent context cost the same as that tail on an empty
+context (~32 ms for 1k tokens instead of ~158 ms), which understated what a miss or a preemption
+costs on long contexts and so flattered affinity. And `decode_ms_per_seq` (0.01 ms per decoding
+sequence): the mocker's decode curve
 depends on KV usage only, which already carries most of the batch effect (more sequences hold more
 blocks), but a batch of many *short* sequences still costs more than one, mostly in the sampler and
 the per-sequence bookkeeping. The term is small on purpose so that the fitted curve dominates.
@@ -34,6 +45,8 @@ class TimingProfile:
     prefill_a: float = 4.21e-7
     prefill_b: float = 1.518e-2
     prefill_c: float = 16.5
+    # + prefill_ctx_a * (new tokens x tokens already in the KV cache before them), see above
+    prefill_ctx_a: float = 8.42e-7
     # decode_ms(u, n) = decode_a*u^2 + decode_b*u + decode_c + decode_ms_per_seq*n, when n > 0
     decode_a: float = -25.74
     decode_b: float = 54.01
@@ -60,9 +73,17 @@ class TimingProfile:
             + self.decode_ms_per_seq * num_seqs
         )
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_usage: float) -> float:
-        """Duration of one step in seconds (the engine's clocks work in seconds)."""
-        ms = (self.prefill_ms(prefill_tokens) + self.decode_ms(kv_usage, decode_seqs)) * self.scale
+    def step_seconds(
+        self, prefill_tokens: int, decode_seqs: int, kv_usage: float, context_pairs: int = 0
+    ) -> float:
+        """Duration of one step in seconds (the engine's clocks work in seconds).
+
+        ``context_pairs``: sum over the step's prefill chunks of (chunk tokens x tokens already in
+        the KV cache before the chunk)."""
+        ms = self.prefill_ms(prefill_tokens) + self.decode_ms(kv_usage, decode_seqs)
+        if prefill_tokens > 0:
+            ms += self.prefill_ctx_a * context_pairs
+        ms *= self.scale
         return max(ms, self.floor_ms) / 1000.0
 
     def with_overrides(self, **overrides: float) -> TimingProfile:
@@ -82,6 +103,7 @@ PROFILES: dict[str, TimingProfile] = {
         prefill_a=0.0,
         prefill_b=1e-4,
         prefill_c=1.0,
+        prefill_ctx_a=0.0,
         decode_a=0.0,
         decode_b=0.5,
         decode_c=1.0,
@@ -96,6 +118,7 @@ PROFILES: dict[str, TimingProfile] = {
         prefill_a=0.0,
         prefill_b=0.0,
         prefill_c=0.0,
+        prefill_ctx_a=0.0,
         decode_a=0.0,
         decode_b=0.0,
         decode_c=0.0,

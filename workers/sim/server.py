@@ -465,7 +465,9 @@ class _Tracker:
                 ttft = now - self.arrival
                 self.metrics.ttft.observe(ttft)
                 uncached = max(0, out.num_prompt_tokens - out.num_cached_tokens)
-                prefill = self.profile.step_seconds(uncached, 0, 0.0)
+                prefill = self.profile.step_seconds(
+                    uncached, 0, 0.0, uncached * out.num_cached_tokens
+                )
                 self.metrics.queue.observe(max(0.0, ttft - prefill))
             else:
                 self.metrics.itl.observe(now - self.last)
