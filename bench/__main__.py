@@ -18,6 +18,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "traces": ("bench.traces", "convert a trace to the normalized schema; info: rate, bound"),
     "simulate": ("bench.simulate", "policies x trace x simulated fleet on a virtual clock"),
     "capacity": ("bench.capacity", "highest request rate a fleet holds within SLOs, per policy"),
+    "tune": ("bench.tune", "search kv_aware's weights/options offline, print the TOML to paste"),
     "replay": ("bench.replay", "open-loop HTTP replay of a trace against any OpenAI-style URL"),
     "compare": ("bench.compare", "kvgate policies vs peer routers on one local simulated fleet"),
     "spike": ("bench.spike", "overload: a spike to 5x capacity, admission on vs off"),
