@@ -13,6 +13,17 @@ loop HTTP replay (`bench.replay`) of the same trace sample, then the workers' ow
 router is measured by alike. A peer that cannot be installed or started is reported as skipped,
 with the reason. Everything binds 127.0.0.1.
 
+`--gateways N` runs each kvgate target as N `kvgate serve` processes (replicas) in front of the
+fleet, sharing quotas, learned state and per-worker load through one real `redis-server` started
+for the run (`[quota] backend = "redis"`, `[cluster] enabled = true`, a fresh key prefix per
+target; `bench.gateways`), and the replay sends each request to one of them at random, as an L4
+balancer would. Peers and the direct run are unchanged (one process each). `--no-cluster` leaves
+`[cluster]` off: the same N replicas, each learning and counting only its own dispatches (the
+figure sharing is measured against). The offline prediction models N replicas too, sharing what
+`--predict-share` says (all of it, 0.1 s late, by default: what `[cluster]` ships; none with
+`--no-cluster`; `bench.replicas`). `kvgate:kv_aware_precise` is kv_aware over the workers' KV
+events (the fleet publishes them for that target only).
+
 Defaults are sized for a 2-core machine and the 15-minute budget: a ~5% sample of the Mooncake
 trace by prefix family (whole families of requests sharing a document, so the sample keeps the
 trace's sharing: its infinite-cache bound stays ~0.65), compressed to ~45 s, on 8 workers whose
@@ -46,6 +57,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from bench.gateways import (  # noqa: F401 - kvgate_config: part of this module's interface
+    kv_event_endpoints,
+    kvgate_config,
+    needs_kv_events,
+    start_kvgates,
+)
 from bench.metrics import SLO, balance, dist, machine
 from bench.paths import MOONCAKE_TRACE, out_path, shown
 from bench.peers import (  # noqa: F401 - PEERS_DIR and Peer: part of this module's interface
@@ -63,6 +80,7 @@ from bench.peers import (  # noqa: F401 - PEERS_DIR and Peer: part of this modul
     warm,
 )
 from bench.replay import ReplayOptions, parse_goodput, run_replay
+from bench.replicas import DEFAULT_DELAY_S, ShareModel
 from bench.simulate import (
     FleetSpec,
     PolicySpec,
@@ -82,6 +100,7 @@ from bench.traces import (
     sample,
     scale_time,
 )
+from gateway.redis_server import RedisServer, RedisServerError
 
 DEFAULT_TRACE = MOONCAKE_TRACE
 
@@ -102,13 +121,17 @@ class SimFleet:
     gpu_slowdown: float = 2.0
     max_model_len: int = 262144
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, kv_events_port: int | None = None) -> list[str]:
+        """`kvgate sim` for the whole fleet; with `kv_events_port` the workers publish KV events
+        (worker i on kv_events_port + 2i, replay on the next port), as vLLM does."""
+        kv = ("--kv-events-port", str(kv_events_port)) if kv_events_port else ()
         return [
             *(sys.executable, "-m", "gateway.cli", "sim"),
             *("--host", HOST, "--port", str(port), "--workers", str(self.workers)),
             *("--model", MODEL, "--profile", self.profile, "--time-scale", str(self.gpu_slowdown)),
             *("--num-blocks", str(self.num_blocks), "--block-size", str(self.block_size)),
             *("--max-model-len", str(self.max_model_len)),
+            *kv,
         ]
 
     def spec(self) -> FleetSpec:
@@ -129,10 +152,19 @@ class SimFleet:
         )
 
 
-def start_fleet(fleet: SimFleet, logs: Path, tag: str) -> tuple[Proc, list[str]]:
+def start_fleet(
+    fleet: SimFleet, logs: Path, tag: str, kv_events: bool = False
+) -> tuple[Proc, list[str], list[tuple[str, str]]]:
+    """A fresh fleet; its base URLs and, with `kv_events`, its (PUB, replay) event endpoints."""
     port = free_ports(fleet.workers)
-    proc = start(f"sim-{tag}", fleet.argv(port), logs)
+    kv_port = None
+    if kv_events:
+        kv_port = free_ports(2 * fleet.workers)
+        while port <= kv_port + 2 * fleet.workers and kv_port <= port + fleet.workers:
+            kv_port = free_ports(2 * fleet.workers)  # the HTTP ports are not bound yet
+    proc = start(f"sim-{tag}", fleet.argv(port, kv_port), logs)
     urls = [f"http://{HOST}:{port + i}" for i in range(fleet.workers)]
+    endpoints = kv_event_endpoints(kv_port, fleet.workers) if kv_port else []
     pending = set(urls)
 
     def healthy() -> bool:
@@ -143,55 +175,7 @@ def start_fleet(fleet: SimFleet, logs: Path, tag: str) -> tuple[Proc, list[str]]
         return not pending
 
     wait_for(healthy, proc, 60, "simulated fleet")
-    return proc, urls
-
-
-def kvgate_config(spec: PolicySpec, port: int, urls: list[str]) -> str:
-    """A minimal open (no tenants) gateway config for one policy variant, as TOML text."""
-    lines = [
-        "[server]",
-        f'host = "{HOST}"',
-        f"port = {port}",
-        "max_body_bytes = 16777216",
-        "[logging]",
-        'level = "warning"',
-        "requests = false",
-        "[probes]",
-        "interval_s = 0.5",
-        "[timeouts]",
-        "first_byte_s = 600",
-        "idle_s = 120",
-        "total_s = 1200",
-        "[routing]",
-        f'policy = "{spec.name}"',
-    ]
-    if spec.weights:
-        lines.append("[routing.weights]")
-        lines += [f"{k} = {v!r}" for k, v in spec.weights]
-    if spec.options:
-        lines.append("[routing.options]")
-        lines += [f"{k} = {v!r}" for k, v in spec.options]
-    for i, u in enumerate(urls):
-        lines += ["[[workers]]", f'name = "w{i}"', f'url = "{u}"']
-    return "\n".join(lines) + "\n"
-
-
-def start_kvgate(spec: PolicySpec, urls: list[str], logs: Path, tag: str) -> tuple[Proc, str]:
-    port = free_ports(1)
-    cfg = logs / f"kvgate-{tag}.toml"
-    logs.mkdir(parents=True, exist_ok=True)
-    cfg.write_text(kvgate_config(spec, port, urls), encoding="utf-8")
-    proc = start(
-        f"kvgate-{tag}", [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)], logs
-    )
-    url = f"http://{HOST}:{port}"
-
-    def ready() -> bool:
-        r = httpx.get(url + "/ready", timeout=1.0)
-        return r.status_code == 200 and r.json().get("healthy_workers") == len(urls)
-
-    wait_for(ready, proc, 60, "kvgate")
-    return proc, url
+    return proc, urls, endpoints
 
 
 # ==================================================================================================
@@ -240,6 +224,8 @@ class Target:
     status: str = "pending"  # ok | skipped | failed
     reason: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    gateways: int = 1  # kvgate processes that ran (replicas sharing one Redis when > 1)
+    cluster: bool = True  # with several: [cluster] on (shared learned state and load)
 
 
 def run_target(
@@ -251,16 +237,32 @@ def run_target(
     logs: Path,
     console: Console,
     venv: Path | None,
+    redis_url: str | None = None,
 ) -> None:
+    """One target on a fresh fleet; kvgate with `t.gateways` > 1 runs that many replicas on
+    `redis_url`, the replay spreading requests over them."""
     procs: list[Proc] = []
     try:
-        sim, urls = start_fleet(fleet, logs, t.name.replace(":", "-"))
+        precise = t.kind == "kvgate" and t.spec is not None and needs_kv_events(t.spec)
+        tag = t.name.replace(":", "-")
+        sim, urls, kv = start_fleet(fleet, logs, tag, kv_events=precise)
         procs.append(sim)
+        shared_prefix = None
         if t.kind == "kvgate":
             assert t.spec is not None
-            gw, url = start_kvgate(t.spec, urls, logs, t.spec.name)
-            procs.append(gw)
-            wait_for(lambda: warm(url), gw, 30, "kvgate warm-up")
+            gws, bases, shared = start_kvgates(
+                t.spec,
+                urls,
+                logs,
+                t.spec.name,
+                gateways=t.gateways,
+                kv_events=kv,
+                redis_url=redis_url,
+                cluster=t.cluster,
+            )
+            procs += gws
+            url = ",".join(bases)
+            shared_prefix = shared.namespace if shared else None
         elif t.kind == "peer":
             assert t.peer is not None and venv is not None
             pr, url = start_peer(t.peer, venv, urls, logs)
@@ -280,6 +282,10 @@ def run_target(
         q = sum(w["queries"] for w in per_worker)
         res["worker_hit_rate"] = sum(w["hits"] for w in per_worker) / q if q else None
         res["preemptions"] = sum(w["preemptions"] for w in per_worker)
+        if t.kind == "kvgate":
+            res["gateways"] = t.gateways
+            res["cluster"] = t.gateways > 1 and t.cluster
+            res["shared_namespace"] = shared_prefix
         t.result = res
         t.status = "ok"
     except Exception as e:  # a target that cannot run is reported, the others still run
@@ -310,6 +316,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"({tr['bound']['block_hit_rate']:.1%} of blocks); pooled fleet cache (LRU) "
         f"{tr['pooled_bound']['token_hit_rate']:.1%}",
         f"- fleet: {report['fleet_describe']} (fresh for every target)",
+        f"- kvgate: {gateways_describe(report)}",
         f"- replay: open loop, {report['replay']['endpoint']}, max concurrency "
         f"{report['replay']['max_concurrency']}; goodput SLO {report['slo_describe']}",
         f"- seed {report['seed']}; machine: {report['machine']['cpu']} x"
@@ -345,6 +352,25 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Not measured:"]
         lines += [f"- {t['name']}: {t['status']}: {t['reason']}" for t in skipped]
     return "\n".join(lines) + "\n"
+
+
+def gateways_describe(report: dict[str, Any]) -> str:
+    """How kvgate ran, for every report: one process, or N replicas on one Redis, and the
+    model the offline prediction used for them."""
+    n = report.get("gateways", 1)
+    pred = report.get("prediction") or {}
+    model = f"; prediction: {pred['label']}" if pred.get("label") else ""
+    if n <= 1:
+        return f"1 gateway process{model}"
+    cluster = (
+        "[cluster] enabled"
+        if report.get("cluster", True)
+        else "[cluster] off (each replica learns and counts only its own dispatches)"
+    )
+    return (
+        f"{n} gateway processes (replicas) on one Redis: [quota] backend redis, {cluster}, a "
+        f"fresh key prefix per target; requests spread over them at random{model}"
+    )
 
 
 def _pct(v: float | None) -> str:
@@ -406,8 +432,11 @@ def console_table(report: dict[str, Any], wide: bool = False) -> Table:
     tr = report["trace"]
     bound = tr["bound"]["token_hit_rate"]
     cols = [c for c in COMPARE_COLUMNS if wide or not c[1]]
+    n = report.get("gateways", 1)
+    off = "" if report.get("cluster", True) else ", [cluster] off"
     t = Table(
-        title="bench.compare (seconds; hit rate from the workers' usage.cached_tokens)",
+        title="bench.compare (seconds; hit rate from the workers' usage.cached_tokens)"
+        + (f"; kvgate = {n} gateway replicas on one Redis{off}" if n > 1 else ""),
         caption=f"{tr['describe']} | {report['fleet_describe']} | infinite-cache bound "
         f"{bound:.1%}, pooled LRU {tr['pooled_bound']['token_hit_rate']:.1%} | goodput SLO "
         f"{report['slo_describe']} | seed {report['seed']}",
@@ -432,8 +461,11 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
 
     ok = [t for t in report["targets"] if t["status"] == "ok"]
     tr = report["trace"]
+    n = report.get("gateways", 1)
+    off = "" if report.get("cluster", True) else ", [cluster] off"
+    gw = f"kvgate: {n} gateways on one Redis{off} | " if n > 1 else ""
     sub = textwrap.fill(
-        f"{tr['describe']} | {report['fleet_describe']} | seed {report['seed']}", 130
+        f"{gw}{tr['describe']} | {report['fleet_describe']} | seed {report['seed']}", 130
     )
     paths = []
 
@@ -446,7 +478,8 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ok:
+        ax.legend(fontsize=8)
     ax.set_title(sub, fontsize=7)
     paths.append(out / "ttft_cdf.png")
     fig.tight_layout()
@@ -477,7 +510,8 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         ax.bar([i + k * width for i in range(len(reqs))], reqs, width, label=t["name"])
     ax.set_xlabel("worker")
     ax.set_ylabel("requests served")
-    ax.legend(fontsize=7)
+    if ok:
+        ax.legend(fontsize=7)
     ax.set_title(sub, fontsize=7)
     paths.append(out / "worker_load.png")
     fig.tight_layout()
@@ -504,13 +538,27 @@ def prepare(args: argparse.Namespace) -> Trace:
 
 
 def predict(
-    trace: Trace, fleet: SimFleet, specs: list[PolicySpec], slo: SLO, seed: int
+    trace: Trace,
+    fleet: SimFleet,
+    specs: list[PolicySpec],
+    slo: SLO,
+    seed: int,
+    replicas: int = 1,
+    share: ShareModel | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The offline simulator's numbers for the same sample and fleet (virtual clock)."""
+    """The offline simulator's numbers for the same sample and fleet (virtual clock), with as
+    many gateway replicas as ran, sharing what `share` says."""
     out = {}
     for s in specs:
-        r = simulate_policy(trace, s, fleet.spec(), seed=seed, slo=slo)
-        out[s.label] = {"hit_rate": r["hit_rate"], "ttft": r["ttft"], "tpot": r["tpot"]}
+        r = simulate_policy(
+            trace, s, fleet.spec(), seed=seed, slo=slo, replicas=replicas, share=share
+        )
+        out[s.label] = {
+            "hit_rate": r["hit_rate"],
+            "ttft": r["ttft"],
+            "tpot": r["tpot"],
+            "share": r["share"],
+        }
     return out
 
 
@@ -533,7 +581,40 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--profile", default=d.profile)
     g.add_argument("--gpu-slowdown", type=float, default=d.gpu_slowdown, help="sim --time-scale")
     g = p.add_argument_group("targets")
-    g.add_argument("--policies", default="round_robin,least_loaded,prefix,kv_aware")
+    g.add_argument(
+        "--policies",
+        default="round_robin,least_loaded,prefix,kv_aware",
+        help="kvgate policies (simulate's names and variants; kv_aware_precise = over the "
+        "workers' KV events)",
+    )
+    g.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each kvgate target as N replicas sharing one Redis ([cluster]), the replay "
+        "spreading requests over them at random (default: %(default)s)",
+    )
+    g.add_argument(
+        "--no-cluster",
+        action="store_true",
+        help="with --gateways > 1: leave [cluster] off, so each replica learns and counts only "
+        "its own dispatches (the figure sharing is measured against)",
+    )
+    g.add_argument(
+        "--predict-share",
+        default=None,
+        metavar="PARTS",
+        help="with --gateways > 1: what the offline prediction's replicas share (simulate "
+        "--share: all, none or some of load,index,sessions; default: all, none with --no-cluster)",
+    )
+    g.add_argument(
+        "--predict-share-delay-s",
+        type=float,
+        default=DEFAULT_DELAY_S,
+        metavar="S",
+        help="with --gateways > 1: how late the prediction's replicas learn (default: %(default)s)",
+    )
     g.add_argument("--peers", default=",".join(PEERS), help="comma-separated, or none")
     g.add_argument("--no-direct", action="store_true", help="skip the direct-to-one-worker run")
     g = p.add_argument_group("replay and output")
@@ -552,6 +633,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", type=Path, default=out_path("compare"), help="%(default)s")
     g.add_argument("--wide", action="store_true", help="print every column (compare.md has all)")
     args = p.parse_args(argv)
+    if args.gateways < 1:
+        p.error("--gateways must be >= 1")
+    if args.predict_share is None:
+        args.predict_share = "none" if args.no_cluster else "all"
+    try:
+        share = ShareModel.parse(args.predict_share, args.predict_share_delay_s)
+    except ValueError as e:
+        p.error(f"--predict-share: {e}")
     t0 = time.monotonic()
     console = Console() if sys.stdout.isatty() else Console(width=160)
     out: Path = args.out
@@ -572,7 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     slo = parse_goodput(args.goodput)
     specs = [PolicySpec.parse(s) for s in split_policies(args.policies)]
     peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
-    targets = [Target(f"kvgate:{s.label}", "kvgate", spec=s) for s in specs]
+    cluster = not args.no_cluster
+    targets = [
+        Target(f"kvgate:{s.label}", "kvgate", spec=s, gateways=args.gateways, cluster=cluster)
+        for s in specs
+    ]
     for name in peer_names:
         if name not in PEERS:
             targets.append(Target(name, "peer", status="skipped", reason="unknown peer"))
@@ -581,7 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_direct:
         targets.append(Target("direct:w0", "direct"))
     console.print(
-        f"compare: {trace.describe()} | {fleet.describe()} | {len(targets)} targets",
+        f"compare: {trace.describe()} | {fleet.describe()} | {len(targets)} targets"
+        + (
+            f" | kvgate x{args.gateways} replicas on one Redis"
+            + ("" if cluster else ", [cluster] off")
+            if args.gateways > 1
+            else ""
+        ),
         markup=False,
     )
 
@@ -602,28 +701,51 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrency=args.max_concurrency,
         drain_timeout_s=args.drain_timeout,
         request_timeout_s=600.0,
+        spread_seed=args.seed,
     )
     span = trace.duration_s
-    for t in targets:
-        if t.status != "pending":
-            continue
-        elapsed = time.monotonic() - t0
-        if elapsed + span + args.drain_timeout + 15 > args.budget:
-            t.status, t.reason = "skipped", f"time budget ({args.budget:.0f} s) would be exceeded"
-            continue
-        console.print(f"[{elapsed:5.0f} s] {t.name}", markup=False)
-        run_target(t, trace, fleet, opts, slo, logs, console, venvs.get(t.name))
-        if t.status == "ok":
-            r = t.result
-            console.print(
-                f"    ok {r['completed']}, failed {r['failed']}, hit {r['hit_rate'] or 0:.1%}, "
-                f"TTFT p50 {_ms(r['median_ttft_ms'])} p99 {_ms(r['p99_ttft_ms'])} s",
-                markup=False,
-            )
-        else:
-            console.print(f"    {t.status}: {t.reason}", markup=False)
+    with contextlib.ExitStack() as stack:
+        redis_url = None
+        if args.gateways > 1 and any(t.kind == "kvgate" for t in targets):
+            try:
+                redis_url = stack.enter_context(RedisServer()).url
+                console.print(f"redis-server for the {args.gateways} gateways: {redis_url}")
+            except RedisServerError as e:  # no binary: the kvgate targets cannot run
+                for t in targets:
+                    if t.kind == "kvgate":
+                        t.status, t.reason = "failed", f"{args.gateways} gateways: {e}"
+        for t in targets:
+            if t.status != "pending":
+                continue
+            elapsed = time.monotonic() - t0
+            if elapsed + span + args.drain_timeout + 15 > args.budget:
+                t.status = "skipped"
+                t.reason = f"time budget ({args.budget:.0f} s) would be exceeded"
+                continue
+            console.print(f"[{elapsed:5.0f} s] {t.name}", markup=False)
+            run_target(t, trace, fleet, opts, slo, logs, console, venvs.get(t.name), redis_url)
+            if t.status == "ok":
+                r = t.result
+                per = r.get("per_url") or {}
+                spread = (
+                    " | requests per gateway " + "/".join(str(c["requests"]) for c in per.values())
+                    if len(per) > 1
+                    else ""
+                )
+                console.print(
+                    f"    ok {r['completed']}, failed {r['failed']}, hit {r['hit_rate'] or 0:.1%}"
+                    f", TTFT p50 {_ms(r['median_ttft_ms'])} p99 {_ms(r['p99_ttft_ms'])} s{spread}",
+                    markup=False,
+                )
+            else:
+                console.print(f"    {t.status}: {t.reason}", markup=False)
 
-    predicted = {} if args.no_predict else predict(trace, fleet, specs, slo, args.seed)
+    replicas = args.gateways
+    predicted = (
+        {}
+        if args.no_predict
+        else predict(trace, fleet, specs, slo, args.seed, replicas=replicas, share=share)
+    )
     bound = cache_bound(trace.requests)
     pooled = cache_bound(trace.requests, fleet.workers * fleet.num_blocks * fleet.block_size)
     report = {
@@ -652,7 +774,18 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_slowdown": fleet.gpu_slowdown,
         },
         "fleet_describe": fleet.describe(),
-        "replay": {"endpoint": args.endpoint, "max_concurrency": args.max_concurrency},
+        "gateways": args.gateways,
+        "cluster": args.gateways > 1 and cluster,
+        "prediction": None
+        if args.no_predict
+        else {"replicas": replicas, **share.to_json(replicas)},
+        "replay": {
+            "endpoint": args.endpoint,
+            "max_concurrency": args.max_concurrency,
+            "spread": "uniform at random over the gateways, seeded by --seed"
+            if args.gateways > 1
+            else None,
+        },
         "slo": slo.to_json(),
         "slo_describe": slo.describe(),
         "seed": args.seed,

@@ -18,6 +18,12 @@ Timing follows `vllm bench serve`: TTFT = first SSE chunk with choices, ITL = ga
 chunks, TPOT = (E2E - TTFT) / (output tokens - 1), output tokens from `usage.completion_tokens`.
 The prompt length the server saw (`usage.prompt_tokens`) is checked against the trace within a
 stated tolerance (token ids: exact; chat: the template adds a few tokens).
+
+Several base URLs (`--url http://127.0.0.1:8000,http://127.0.0.1:8001`, e.g. gateway replicas)
+spread the requests over them uniformly at random, as an L4 balancer in front of replicas would:
+each request's target is drawn once, in trace order, from a generator seeded by `--seed`, so
+the same flags send every request to the same URL in every run. The result counts requests per
+URL (`per_url`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import math
+import random
 import sys
 import time
 from collections import Counter
@@ -80,6 +87,7 @@ class RequestRecord:
     expected_output: int = 0
     worker: str | None = None  # x-kvgate-worker, when the server is kvgate
     session_id: str | None = None
+    url: str = ""  # the base URL it was sent to (one of several: `ReplayOptions.urls`)
 
     @property
     def tpot(self) -> float | None:
@@ -88,7 +96,7 @@ class RequestRecord:
 
 @dataclass(slots=True)
 class ReplayOptions:
-    url: str
+    url: str  # a base URL, or several comma-separated (requests spread over them at random)
     model: str = "sim-llama"
     endpoint: str = "completions"  # completions (token ids) | text (completions, text) | chat
     api_key: str | None = None
@@ -100,6 +108,12 @@ class ReplayOptions:
     prompt_tolerance: float = 0.02  # relative, for the prompt-length check (chat)
     prompt_tolerance_tokens: int = 32  # absolute, added to the relative part (chat)
     extra_body: dict[str, Any] = field(default_factory=dict)
+    spread_seed: int = 0  # which URL each request goes to, when there are several
+
+    @property
+    def urls(self) -> list[str]:
+        """The base URLs, without trailing slashes."""
+        return split_urls(self.url)
 
     def tolerance(self, n: int) -> int:
         """Allowed |usage.prompt_tokens - input_length|: 0 for token ids, else a stated slack
@@ -108,6 +122,23 @@ class ReplayOptions:
         if self.endpoint == "completions":
             return 0
         return int(self.prompt_tolerance * n) + self.prompt_tolerance_tokens
+
+
+def split_urls(text: str) -> list[str]:
+    """`http://a:1, http://b:2/` -> two base URLs; a URL named twice gets twice the traffic."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+def spread(n: int, urls: Sequence[str], seed: int) -> list[str]:
+    """The URL each of `n` requests goes to: uniform at random and independent of timing, as an
+    L4 balancer spreads connections (not round-robin, which would be a kinder, rarer balancer);
+    seeded, so two targets in one comparison get the same assignment."""
+    if not urls:
+        raise ValueError("no URL to send to")
+    if len(urls) == 1:
+        return [urls[0]] * n
+    rng = random.Random(seed ^ 0x5EED)
+    return [urls[rng.randrange(len(urls))] for _ in range(n)]
 
 
 def build_body(req: TraceRequest, opts: ReplayOptions) -> dict[str, Any]:
@@ -149,7 +180,7 @@ async def _one(
     last = None
     chunks = 0
     try:
-        async with http.post(opts.url.rstrip("/") + path, data=data, headers=headers) as resp:
+        async with http.post(rec.url + path, data=data, headers=headers) as resp:
             rec.status = resp.status
             rec.worker = resp.headers.get("x-kvgate-worker")
             if resp.status != 200:
@@ -205,6 +236,7 @@ async def replay(
     """Replay every request of `trace` at its arrival time (seconds from now); records in order."""
     reqs = trace.requests
     t_first = reqs[0].arrival_s if reqs else 0.0
+    targets = spread(len(reqs), opts.urls, opts.spread_seed)
     records = [
         RequestRecord(
             r.request_id,
@@ -212,8 +244,9 @@ async def replay(
             input_length=r.input_length,
             expected_output=max(1, r.output_length),
             session_id=r.session_id,
+            url=url,
         )
-        for r in reqs
+        for r, url in zip(reqs, targets, strict=True)
     ]
     sem = asyncio.Semaphore(max(1, opts.max_concurrency))
     connector = aiohttp.TCPConnector(limit=max(1, opts.max_concurrency), force_close=False)
@@ -277,6 +310,7 @@ def summarize(
         "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if opts.endpoint == "chat" else "openai",
         "base_url": opts.url,
+        "base_urls": opts.urls,
         "endpoint": "/v1/chat/completions" if opts.endpoint == "chat" else "/v1/completions",
         "model_id": opts.model,
         "num_prompts": len(records),
@@ -326,6 +360,7 @@ def summarize(
             ),
             "workers": dict(sorted(workers.items())),
             "worker_balance": balance(list(workers.values())) if workers else None,
+            "per_url": per_url(records, opts.urls),
             "prompt_length_check": {
                 "tolerance": "exact (token ids)"
                 if opts.endpoint == "completions"
@@ -350,6 +385,18 @@ def summarize(
     if keep_records:
         res["records"] = [asdict(r) for r in records]
     return res
+
+
+def per_url(records: Sequence[RequestRecord], urls: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Per base URL: requests assigned, sent, answered ok (every URL listed, even one that got
+    nothing, so a dead replica shows as zeros rather than disappearing)."""
+    out = {u: {"requests": 0, "sent": 0, "ok": 0} for u in urls}
+    for r in records:
+        c = out.setdefault(r.url, {"requests": 0, "sent": 0, "ok": 0})
+        c["requests"] += 1
+        c["sent"] += r.sent_s is not None
+        c["ok"] += r.ok
+    return out
 
 
 def _std(vals: Sequence[float]) -> float:
@@ -432,7 +479,12 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n")[0])
-    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url",
+        required=True,
+        help="base URL, e.g. http://127.0.0.1:8000; several comma-separated (gateway replicas): "
+        "each request goes to one of them at random (seeded by --seed), as an L4 balancer would",
+    )
     p.add_argument("--model", default="sim-llama")
     p.add_argument(
         "--endpoint",
@@ -448,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     add_replay_args(p)
     args = p.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
+    if not split_urls(args.url):
+        p.error("--url: no URL given")
     try:
         trace = prepare_trace(args)
     except TraceError as e:
@@ -461,8 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         duration_s=args.duration,
         request_timeout_s=args.request_timeout,
         drain_timeout_s=args.drain_timeout,
+        spread_seed=args.seed,
     )
-    console.print(f"replaying {trace.describe()} against {args.url}", markup=False)
+    urls = opts.urls
+    where = urls[0] if len(urls) == 1 else f"{len(urls)} URLs at random ({', '.join(urls)})"
+    console.print(f"replaying {trace.describe()} against {where}", markup=False)
     res = run_replay(
         trace,
         opts,
@@ -503,6 +560,11 @@ def print_summary(res: dict[str, Any], console: Console) -> None:
         f"prompt length check ({res['prompt_length_check']['tolerance']}): "
         f"{res['prompt_length_check']['mismatched']} mismatched"
     )
+    if len(res.get("per_url") or {}) > 1:
+        lines.append(
+            "per URL (requests/ok): "
+            + ", ".join(f"{u} {c['requests']}/{c['ok']}" for u, c in res["per_url"].items())
+        )
     if res["errors"]:
         lines.append(f"errors: {res['errors']}")
     for line in lines:

@@ -18,6 +18,11 @@ hooks the virtual clock's token delivery). The snapshot is fresh at every decisi
 gateway's scraped numbers are up to a probe interval old, so this is the policy's best case on
 load signals, and the same best case for every policy.
 
+Several gateway replicas (`--replicas N`): arrivals are spread over N replicas at random, each
+with its own policy state, learning the others' dispatches only as `--share` says (independent by
+default, or what `[cluster]` shares through Redis, `--share-delay-s` late; `bench.replicas`), so
+a deployment of N gateways can be predicted, and set against `bench.compare --gateways N`.
+
 Policies run in parallel processes (`--jobs`), each on its own fleet, all seeded by `--seed`:
 the same seed gives the same numbers on any machine (wall times aside).
 """
@@ -48,6 +53,7 @@ from rich.table import Table
 
 from bench.metrics import SLO, balance, dist, fmt_s, machine, tpot
 from bench.paths import MOONCAKE_TRACE, out_path, shown
+from bench.replicas import CLUSTER_PARTS, DEFAULT_DELAY_S, PARTS, ReplicaSync, ShareModel
 from bench.traces import (
     Trace,
     TraceError,
@@ -201,9 +207,11 @@ class PolicyRouter:
     the kv signal; leaving it out made one worker of eight a hot spot under eviction pressure).
 
     With `replicas` > 1, arrivals reach one of several gateway replicas at random, each with its
-    own policy state (approximate index, sessions, pending dispatches, prefill bookkeeping), as
-    replicas behind a load balancer have; worker load is read from the engines by all alike (an
-    instant scrape). With events, every replica's precise index is fed every engine's events.
+    own policy state (approximate index, sessions, pending dispatches, prefill bookkeeping and
+    in-flight counts), as replicas behind a load balancer have; the engines' own figures (running,
+    waiting, KV usage) are read by all alike (an instant scrape). With events, every replica's
+    precise index is fed every engine's events. `share` says what replicas learn from each other
+    and how late (`bench.replicas`: independent by default, or the `[cluster]` sync's model).
     """
 
     def __init__(
@@ -215,6 +223,7 @@ class PolicyRouter:
         keys: str,
         trace_block: int,
         replicas: int = 1,
+        share: ShareModel | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
@@ -250,9 +259,16 @@ class PolicyRouter:
         self.requests = requests
         self.keys = keys
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.prefills = [[0] * workers for _ in range(replicas)]
+        self.share = share or ShareModel()
+        # Per replica: the prefill tokens and in-flight requests it counts on each worker, its own
+        # and (shared model) the others' as delivered; and the changes still in transit.
+        self.sync = ReplicaSync(replicas, self.names, self.share, self.policies)
+        # One gateway counts every request, which the fleet's own count already is; several
+        # count their own (plus what is shared), which needs each request's completion.
+        self.track_done = replicas > 1
         self.awaiting = [0] * workers  # requests per worker still before their first token
         self.pending: dict[str, tuple[int, int, int]] = {}  # id -> (replica, worker, tokens)
+        self.running: dict[str, tuple[int, int]] = {}  # id -> (replica, worker) until done
         self.reasons: Counter[str] = Counter()
         self.engines: Sequence[Engine] = ()
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
@@ -263,7 +279,7 @@ class PolicyRouter:
     def prefill(self) -> list[int]:
         """Uncached prompt tokens dispatched per worker and not yet at a first token (all
         replicas)."""
-        return [sum(col) for col in zip(*self.prefills, strict=True)]
+        return [sum(col) for col in zip(*self.sync.own_prefill, strict=True)]
 
     def attach(self, engines: Sequence[Engine], block_size: int) -> None:
         self.engines = engines
@@ -354,16 +370,21 @@ class PolicyRouter:
         )
 
     def __call__(self, arrival: Arrival, fleet: FleetSnapshot) -> int:
-        self.now = fleet.now
+        self.now = now = fleet.now
         if self.precise is not None:
             self._drain_events()
+        sync = self.sync
+        if sync.in_transit:
+            sync.deliver(now)
         r = self._spread.randrange(len(self.policies)) if len(self.policies) > 1 else 0
         policy = self.policies[r]
-        prefill = self.prefills[r]
+        prefill = sync.prefill[r]
+        # One gateway: the fleet's count of requests in flight is this gateway's own.
+        in_flight = sync.in_flight[r] if self.track_done else None
         views = [
             WorkerView(
                 name=self.names[s.index],
-                in_flight=s.in_flight,
+                in_flight=s.in_flight if in_flight is None else in_flight[s.index],
                 running=s.running,
                 waiting=s.waiting,
                 kv_usage=s.kv_usage,
@@ -380,27 +401,37 @@ class PolicyRouter:
         w = self.index[name]
         self.reasons[decision.reason] += 1
         tokens = decision.prefill_tokens
-        prefill[w] += tokens
+        sync.dispatched(r, now, w, route, tokens, decision.worker)
         self.awaiting[w] += 1
-        self.pending[arrival.request.request_id] = (r, w, tokens)
+        rid = arrival.request.request_id
+        self.pending[rid] = (r, w, tokens)
+        if self.track_done:
+            self.running[rid] = (r, w)
         if self.precise is not None:
-            self.routes[arrival.request.request_id] = route
+            self.routes[rid] = route
         return w
 
-    def first_token(self, request_id: str) -> None:
+    def first_token(self, request_id: str, now: float | None = None) -> None:
         r, w, tokens = self.pending.pop(request_id)
-        self.prefills[r][w] -= tokens
-        self.awaiting[w] -= 1
         route = self.routes.pop(request_id, None)
+        self.sync.prefill_done(r, self.now if now is None else now, w, tokens, route)
+        self.awaiting[w] -= 1
         if route is not None:
             self.policies[r].on_prefill_done(self.names[w], route)
 
+    def finished(self, request_id: str, now: float) -> None:
+        """A request completed (tracked with several replicas: each counts its own in flight)."""
+        r, w = self.running.pop(request_id)
+        self.sync.finished(r, now, w)
+
 
 class ObservedFleet(VirtualFleet):
-    """A VirtualFleet that tells the router when a request delivers its first token.
+    """A VirtualFleet that tells the router when a request delivers its first token (and, with
+    several replicas, when it completes: each replica counts its own requests in flight).
 
-    The virtual clock has no public hook for it, so this wraps its delivery step; it only looks at
-    outputs while the worker has requests before their first token (cheap on long decodes).
+    The virtual clock has no public hook for it, so this wraps its delivery step; with one replica
+    it only looks at outputs while the worker has requests before their first token (cheap on
+    long decodes).
     """
 
     def __init__(self, engines: Sequence[Engine], router: PolicyRouter) -> None:
@@ -409,12 +440,21 @@ class ObservedFleet(VirtualFleet):
 
     def _deliver(self, w: int, now: float) -> None:
         router = self._router
-        if router.awaiting[w]:
+        if router.track_done:
+            live = self._live
+            for o in self._pending[w]:
+                res = live.get(o.request_id)
+                if res is not None:
+                    if res.first_token_time is None:
+                        router.first_token(o.request_id, now)
+                    if o.finished:
+                        router.finished(o.request_id, now)
+        elif router.awaiting[w]:
             live = self._live
             for o in self._pending[w]:
                 res = live.get(o.request_id)
                 if res is not None and res.first_token_time is None:
-                    router.first_token(o.request_id)
+                    router.first_token(o.request_id, now)
         super()._deliver(w, now)
 
 
@@ -446,11 +486,12 @@ def simulate_policy(
     progress: Callable[[int], None] | None = None,
     keep_samples: bool = False,
     replicas: int = 1,
+    share: ShareModel | None = None,
 ) -> dict[str, Any]:
     """Replay `trace` through `spec` onto a fresh `fleet`; the per-policy summary (seconds).
 
-    `replicas` gateways share the traffic at random, each with its own learned state (see
-    PolicyRouter)."""
+    `replicas` gateways share the traffic at random, each with its own learned state, learning
+    the others' as `share` says (independent by default; see PolicyRouter, bench.replicas)."""
     reqs = trace.requests
     if not reqs:
         raise ValueError("empty trace")
@@ -465,6 +506,7 @@ def simulate_policy(
         keys,
         trace.block_size,
         replicas=replicas,
+        share=share,
     )
     engines = fleet.engines(kv_events=router.precise is not None)
     router.attach(engines, fleet.block_size)
@@ -482,6 +524,7 @@ def simulate_policy(
     out.update(wall_s=round(wall, 3), cpu_s=round(cpu, 3), steps=result.num_steps)
     out["preemptions"] = sum(e.stats().num_preemptions for e in engines)
     out["replicas"] = replicas
+    out["share"] = router.share.to_json(replicas)
     if keep_samples:
         out["samples"] = {
             "ttft": [r.ttft for r in result.results],
@@ -578,6 +621,7 @@ class RunContext:
     pooled_rate: float | None = None
     keep_samples: bool = False
     replicas: int = 1
+    share: ShareModel = field(default_factory=ShareModel)
 
 
 _CTX: RunContext | None = None  # inherited by forked children: the trace is never pickled
@@ -597,6 +641,7 @@ def _run_task(ctx: RunContext, task: SimTask, progress: Callable[[int], None] | 
         progress=progress,
         keep_samples=ctx.keep_samples,
         replicas=ctx.replicas,
+        share=ctx.share,
     )
     out["time_scale"] = task.time_scale
     return out
@@ -699,7 +744,7 @@ def report_table(report: dict[str, Any], wide: bool = False) -> Table:
     caption = (
         f"trace {tr['describe']} | time scale x{report['time_scale']:g} | fleet "
         f"{report['fleet_describe']} | keys {report['keys']} | gateway replicas "
-        f"{report.get('replicas', 1)} | seed {report['seed']} | "
+        f"{replicas_caption(report)} | seed {report['seed']} | "
         f"goodput SLO {report['slo_describe']} | bound (infinite cache) "
         f"{tr['bound']['token_hit_rate']:.1%} of prompt tokens, "
         f"{tr['bound']['block_hit_rate']:.1%} of blocks; pooled fleet cache (LRU, "
@@ -708,7 +753,12 @@ def report_table(report: dict[str, Any], wide: bool = False) -> Table:
         f"{report['machine']['cpu']} x{report['machine']['cores']} | seconds unless stated"
     )
     t = Table(
-        title=f"virtual-clock simulation, {fl['workers']} workers",
+        title=f"virtual-clock simulation, {fl['workers']} workers"
+        + (
+            f", {report['replicas']} gateway replicas: {report['share']['label']}"
+            if report.get("replicas", 1) > 1 and report.get("share")
+            else ""
+        ),
         caption=caption,
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
@@ -719,6 +769,13 @@ def report_table(report: dict[str, Any], wide: bool = False) -> Table:
     for p in report["policies"]:
         t.add_row(*(cell(p) for _, _, cell in cols))
     return t
+
+
+def replicas_caption(report: dict[str, Any]) -> str:
+    """`4 (shared all, 0.1 s late)`: how many gateways the run modelled, and what they knew."""
+    n = report.get("replicas", 1)
+    share = report.get("share")
+    return f"{n} ({share['label']})" if n > 1 and share else str(n)
 
 
 LABEL_MIN_WIDTH = 8
@@ -886,6 +943,48 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = DEFAULT_POLICIES)
     g.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway replicas")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="gateway replicas sharing the traffic at random, each learning from its own "
+        "dispatches (kv_aware_precise: each also fed every worker's KV events)",
+    )
+    g.add_argument(
+        "--share",
+        default="none",
+        metavar="PARTS",
+        help="what replicas learn from each other: none (independent, the default), all (what "
+        f"[cluster] shares through Redis: {','.join(CLUSTER_PARTS)}), or some of "
+        f"{','.join(PARTS)} (pending: the precise index's pending dispatches, a what-if)",
+    )
+    g.add_argument(
+        "--share-delay-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="virtual seconds until a change reaches the other replicas (default "
+        f"{DEFAULT_DELAY_S:g}: two 50 ms sync intervals, the cluster's staleness target)",
+    )
+
+
+def share_from_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> ShareModel:
+    """The replica model the flags name; a delay without anything shared is a usage error (it
+    would silently do nothing)."""
+    if args.replicas < 1:
+        p.error("--replicas must be >= 1")
+    delay = DEFAULT_DELAY_S if args.share_delay_s is None else args.share_delay_s
+    try:
+        share = ShareModel.parse(args.share, delay)
+    except ValueError as e:
+        p.error(f"--share/--share-delay-s: {e}")
+    if args.share_delay_s is not None and share.independent:
+        p.error("--share-delay-s needs --share (all, or some of load,index,sessions,pending)")
+    return share
+
+
 def trace_from_args(args: argparse.Namespace, prog: str | None = None) -> Trace:
     """The trace the flags name; with `prog`, a trace that cannot be read ends the program with
     one line on stderr (exit 2) rather than a traceback."""
@@ -943,6 +1042,7 @@ def build_report(
         "fleet_describe": ctx.fleet.describe(),
         "keys": ctx.keys,
         "replicas": ctx.replicas,
+        "share": ctx.share.to_json(ctx.replicas),
         "seed": ctx.seed,
         "slo": ctx.slo.to_json(),
         "slo_describe": ctx.slo.describe(),
@@ -957,13 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
     add_trace_args(p)
     add_fleet_args(p)
     add_policy_args(p)
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="gateway replicas sharing the traffic at random, each learning only from its own "
-        "dispatches (kv_aware_precise: each also fed every worker's KV events)",
-    )
+    add_replica_args(p)
     g = p.add_argument_group("load and output")
     g.add_argument("--time-scale", type=float, default=None, help="x arrival times (0.5 = 2x rate)")
     g.add_argument("--rate-scale", type=float, default=None, help="x request rate (= 1/time-scale)")
@@ -978,6 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.time_scale and args.rate_scale:
         p.error("give --time-scale or --rate-scale, not both")
+    share = share_from_args(args, p)
     time_scale = args.time_scale or (1.0 / args.rate_scale if args.rate_scale else 1.0)
     console = report_console()
     t0 = time.perf_counter()
@@ -989,6 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         keys=args.keys,
         slo=slo_from_args(args),
         replicas=args.replicas,
+        share=share,
     )
     ctx.bound_rate = cache_bound(trace.requests).token_hit_rate
     ctx.pooled_rate = cache_bound(trace.requests, ctx.fleet.capacity_tokens).token_hit_rate

@@ -4,12 +4,22 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from itertools import pairwise
 
 import pytest
 
 from bench.compare import kvgate_config, markdown
 from bench.metrics import SLO
-from bench.replay import ReplayOptions, build_body, parse_goodput, replay, summarize
+from bench.replay import (
+    ReplayOptions,
+    build_body,
+    parse_goodput,
+    replay,
+    split_urls,
+    spread,
+    summarize,
+)
 from bench.simulate import PolicySpec
 from bench.traces import SyntheticSpec, Trace, TraceRequest, synthetic
 from workers.sim.testing import run_sim_workers
@@ -137,3 +147,33 @@ def test_compare_markdown_states_the_setup() -> None:
     md = markdown(report)
     assert "| kvgate:kv_aware | 10/0 | 50.0% | 0.83 | 0.100 | 0.200 | 0.300 |" in md
     assert "- smg: skipped: pip failed" in md and "seed 3" in md and "sample: x" in md
+
+
+def test_spread_is_uniform_seeded_and_takes_comma_lists() -> None:
+    urls = split_urls(" http://127.0.0.1:1/, http://127.0.0.1:2 ,,http://127.0.0.1:3")
+    assert urls == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    a = spread(3000, urls, seed=4)
+    assert a == spread(3000, urls, seed=4) and a != spread(3000, urls, seed=5)
+    counts = Counter(a)
+    assert set(counts) == set(urls) and all(900 < c < 1100 for c in counts.values())
+    # at random, not in turn: some request goes to the same URL as the one before it
+    assert any(x == y for x, y in pairwise(a))
+    assert spread(5, urls[:1], seed=4) == [urls[0]] * 5
+    assert ReplayOptions(url="http://127.0.0.1:9/").urls == ["http://127.0.0.1:9"]
+    with pytest.raises(ValueError):
+        spread(1, [], seed=0)
+
+
+async def test_replay_spreads_requests_over_several_urls() -> None:
+    trace = synthetic(SPEC)
+    async with run_sim_workers(2, profile="fast", num_blocks=512, block_size=16) as fleet:
+        opts = ReplayOptions(url=",".join(fleet), request_timeout_s=30, spread_seed=2)
+        records = await replay(trace, opts)
+    res = summarize(records, opts, SLO())
+    assert res["completed"] == 12 and res["base_urls"] == list(fleet)
+    want = Counter(spread(12, list(fleet), seed=2))
+    assert len(want) == 2  # both URLs drawn, with this seed
+    assert res["per_url"] == {
+        u: {"requests": want[u], "sent": want[u], "ok": want[u]} for u in fleet
+    }
+    assert [r.url for r in records] == spread(12, list(fleet), seed=2)

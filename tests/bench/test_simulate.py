@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.capacity import Objective, Search, passes
+from bench.replicas import ShareModel
 from bench.simulate import (
     FleetSpec,
     ObservedFleet,
@@ -79,6 +80,39 @@ def test_prefill_bookkeeping_returns_to_zero() -> None:
     assert len(result.results) == 80
     assert max(seen) > 0  # requests were waiting for their first token at some arrivals
     assert router.pending == {} and router.prefill == [0, 0, 0] and router.awaiting == [0, 0, 0]
+
+
+@pytest.mark.parametrize("share", ["none", "all"])
+def test_every_replica_s_counts_return_to_zero(share: str) -> None:
+    # Each replica counts its own requests (and, shared, the others' once delivered): after the
+    # last completion has reached everyone, nobody counts anything anywhere.
+    trace = synthetic(SPEC)
+    router = PolicyRouter(
+        PolicySpec.parse("kv_aware"),
+        {r.request_id: r for r in trace.requests},
+        FLEET.workers,
+        seed=0,
+        keys="trace",
+        trace_block=16,
+        replicas=3,
+        share=ShareModel.parse(share, 0.1),
+    )
+    peak: list[int] = []
+    inner = router.__call__
+
+    def spy(arrival, fleet):  # type: ignore[no-untyped-def]
+        peak.append(max(max(row) for row in router.sync.in_flight))
+        return inner(arrival, fleet)
+
+    sim = ObservedFleet(FLEET.engines(), router)
+    sim.route = spy
+    assert len(sim.run(_arrivals(trace.requests, None)).results) == 80
+    assert max(peak) > 0 and router.running == {} and router.pending == {}
+    router.sync.deliver(float("inf"))
+    sync = router.sync
+    for table in (sync.in_flight, sync.prefill, sync.own_in_flight, sync.own_prefill):
+        assert table == [[0, 0, 0]] * 3
+    assert (sync.delivered > 0) == (share != "none")
 
 
 def test_gateway_keys_route_like_the_gateway() -> None:
@@ -169,15 +203,60 @@ def test_replicas_split_what_the_approximate_index_learns_but_not_the_kv_events(
     fleet = FleetSpec(workers=4, num_blocks=400, block_size=16, max_model_len=4096)
     trace = synthetic(spec)
 
-    def hit(name: str, replicas: int) -> float:
+    def run(name: str, replicas: int, share: ShareModel | None = None) -> dict:
         out = simulate_policy(
-            trace, PolicySpec.parse(name), fleet, keys="gateway", replicas=replicas
+            trace, PolicySpec.parse(name), fleet, keys="gateway", replicas=replicas, share=share
         )
         assert out["replicas"] == replicas and out["requests"] == 240
-        return float(out["hit_rate"])
+        return out
+
+    def hit(name: str, replicas: int, share: ShareModel | None = None) -> float:
+        return float(run(name, replicas, share)["hit_rate"])
 
     one = hit("kv_aware", 1)
-    assert hit("kv_aware", 4) < one - 0.03
+    independent = run("kv_aware", 4)
+    assert independent["share"]["model"] == "independent"
+    assert independent["hit_rate"] < one - 0.03
     assert hit("kv_aware_precise", 4) >= one - 0.01
+    # Sharing what each replica learns, as [cluster] does, gives the hits back: all of them when
+    # the others learn at once, most of them a sync (0.1 s) or even a second late.
+    instant = run("kv_aware", 4, ShareModel.parse("all", 0.0))
+    assert instant["share"] == {
+        "model": "shared", "parts": ["load", "index", "sessions"], "delay_s": 0.0,
+        "label": "shared all, 0 s late",
+    }  # fmt: skip
+    assert instant["hit_rate"] == pytest.approx(one, abs=0.005)
+    late = hit("kv_aware", 4, ShareModel.parse("all", 1.0))
+    assert independent["hit_rate"] + 0.05 < late <= one + 0.005
+    # Load alone does not: the prefixes still scatter.
+    assert hit("kv_aware", 4, ShareModel.parse("load")) < one - 0.03
     with pytest.raises(ValueError):
         hit("kv_aware", 0)
+
+
+def test_cli_replica_model_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    base = ["--trace", SYNTH, "--workers", "2", "--num-blocks", "200", "--max-model-len", "4096"]
+    base += ["--policies", "kv_aware", "--json", str(out), "--quiet", "--jobs", "1"]
+    assert (
+        main([*base, "--replicas", "3", "--share", "index,sessions", "--share-delay-s", "0.2"]) == 0
+    )
+    r = json.loads(out.read_text())
+    assert r["replicas"] == 3 and r["policies"][0]["replicas"] == 3
+    want = {"model": "shared", "parts": ["index", "sessions"], "delay_s": 0.2}
+    assert (
+        {k: r["share"][k] for k in want} == want == {k: r["policies"][0]["share"][k] for k in want}
+    )
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "3 gateway replicas: shared index+sessions, 0.2 s late" in printed
+    assert main([*base, "--replicas", "2"]) == 0
+    assert json.loads(out.read_text())["share"]["model"] == "independent"
+    for bad in (
+        ["--replicas", "2", "--share-delay-s", "0.2"],  # a delay with nothing shared
+        ["--replicas", "2", "--share", "everything"],
+        ["--replicas", "2", "--share", "all", "--share-delay-s", "-1"],
+        ["--replicas", "0"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *bad])
+        assert e.value.code == 2
