@@ -958,7 +958,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
         metavar="PARTS",
         help="what replicas learn from each other: none (independent, the default), all (what "
         f"[cluster] shares through Redis: {','.join(CLUSTER_PARTS)}), or some of "
-        f"{','.join(PARTS)} (pending: the precise index's pending dispatches, a what-if)",
+        f"{','.join(PARTS)} (pending: the precise index's pending dispatches)",
     )
     g.add_argument(
         "--share-delay-s",

@@ -43,7 +43,9 @@ plus a round trip); tests/gateway/test_cluster_e2e.py measures it between two re
 The second half is what replicas learn (`scoring.learned`, `workers.learned_share`): every
 dispatch is noted in a bounded journal on the request path (one tuple append), shipped as one
 stream entry per sync, and replayed by each peer into its own approximate prefix index and session
-table, so a prefix or session one replica routed goes to the same worker through any replica
+table (in KV-event mode also into the precise index's pending dispatches, until the first token:
+what no event shows yet), so a prefix or session one replica routed goes to the same worker
+through any replica
 (without it, four replicas each learned a quarter of the fleet: Mooncake hit rate 35.5% -> 10.8%
 offline). A stream, not the hash: learned state is a log of events that every reader must see
 once and in order, where load is a current value. Its entry ids carry Redis' own milliseconds, so

@@ -250,13 +250,20 @@ class _Learning:
                     request.session_id,
                     request.prompt_tokens,
                     now,
+                    request.block_chain if state.precise is not None else (),
                 )
             )
 
     def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
-        precise = self.state.precise
+        state = self.state
+        precise = state.precise
         if precise is not None and request.block_chain:
-            precise.dispatch_done(worker_name, request.block_chain, self._clock())
+            now = self._clock()
+            precise.dispatch_done(worker_name, request.block_chain, now)
+            if state.journal is not None:
+                state.journal.note(
+                    Learned(worker_name, (), 0, (), None, 0, now, request.block_chain, True)
+                )
 
     def _pick(self, ties: list[Any]) -> Any:
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)

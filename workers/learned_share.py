@@ -2,10 +2,12 @@
 
 One batch per replica per sync interval, one stream entry per batch: a msgpack map
 
-    {"v": 1, "k": [routing key fields], "t": publisher's clock at publish,
-     "e": [[worker, chain, dense, tail_ends, session_id, prompt_tokens, at], ...]}
+    {"v": 2, "k": [routing key fields], "t": publisher's clock at publish,
+     "e": [[worker, chain, dense, tail_ends, session_id, prompt_tokens, at, block_chain, done],
+           ...]}
 
-``chain`` is the prefix chain packed as little-endian uint64 (8 bytes a block, a third of its
+``chain`` (and ``block_chain``, KV-event mode's worker-block keys) is packed as little-endian
+uint64 (8 bytes a block, a third of its
 decimal text and no float rounding); the rest are plain msgpack values. ``k`` is what makes a chain
 mean something (block size, block cap, tail ratio): a peer hashing under other options (a rollout
 in progress) still takes the batch's sessions but not its chains.
@@ -29,7 +31,7 @@ from scoring.learned import Learned
 
 __all__ = ["decode_batch", "encode_batch", "pack_chain", "unpack_chain"]
 
-_VERSION = 1
+_VERSION = 2
 _SWAP = sys.byteorder != "little"
 
 
@@ -63,6 +65,8 @@ def encode_batch(key: Sequence[float], entries: Sequence[Learned], sent: float) 
                     e.session_id,
                     e.prompt_tokens,
                     e.at,
+                    pack_chain(e.block_chain),
+                    e.done,
                 ]
                 for e in entries
             ],
@@ -89,11 +93,14 @@ def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learne
         shift = now - sent
         out: list[Learned] = []
         for row in rows:
-            worker, chain, dense, tails, session, tokens, at = row
+            worker, chain, dense, tails, session, tokens, at, blocks, done = row
             if not (
                 isinstance(worker, str)
                 and isinstance(chain, bytes)
                 and len(chain) % 8 == 0
+                and isinstance(blocks, bytes)
+                and len(blocks) % 8 == 0
+                and isinstance(done, bool)
                 and _is_count(dense)
                 and isinstance(tails, list)
                 and all(_is_count(t) for t in tails)
@@ -111,6 +118,8 @@ def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learne
                     session or None,
                     tokens,
                     min(at + shift, now),
+                    unpack_chain(blocks),
+                    done,
                 )
             )
         return tuple(key), out

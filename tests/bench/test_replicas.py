@@ -151,8 +151,8 @@ def test_a_late_note_never_pins_a_session_back_to_an_older_turn() -> None:
 
 
 def test_pending_dispatches_reach_the_other_replicas_precise_index() -> None:
-    # The what-if the gateway does not do: blocks sent to a worker and not yet in its KV events
-    # count as held there for the other replicas too, until the first token (+ settle_s).
+    # Blocks sent to a worker and not yet in its KV events count as held there for the other
+    # replicas too (what [cluster] ships), until the first token (+ settle_s).
     clock = Clock()
     policies = [
         make_policy(
@@ -164,7 +164,7 @@ def test_pending_dispatches_reach_the_other_replicas_precise_index() -> None:
         p.state.precise.set_live("w1", True)
     blocks = (11, 12, 13, 14)
     route = RouteRequest(model="m", block_chain=blocks, chain=blocks, dense_blocks=4)
-    for parts, want in (("all", {}), ("all,pending", {"w1": 4})):
+    for parts, want in (("load,index,sessions", {}), ("all", {"w1": 4})):
         sync = ReplicaSync(2, WORKERS, ShareModel.parse(parts, 0.1), policies)
         policies[0].on_dispatch("w1", route)
         sync.dispatched(0, 1.0, 1, route, 100)
@@ -178,15 +178,14 @@ def test_pending_dispatches_reach_the_other_replicas_precise_index() -> None:
 
 def test_share_model_parsing_and_labels() -> None:
     assert ShareModel.parse(None).independent and ShareModel.parse("none").independent
-    assert ShareModel.parse("all").parts == {"load", "index", "sessions"}
+    assert ShareModel.parse("all").parts == {"load", "index", "sessions", "pending"}
     m = ShareModel.parse("index, load", 0.25)
     assert m.parts == {"index", "load"} and "load" in m and "sessions" not in m
     assert m.label(4) == "shared load+index, 0.25 s late" and m.label(1) == "one gateway"
     assert ShareModel.parse("all").label(4) == "shared all, 0.1 s late"
-    both = ShareModel.parse("all,pending")
-    assert both.parts == {"load", "index", "sessions", "pending"}
-    assert both.label(4) == "shared all+pending, 0.1 s late"
-    assert both.to_json(4)["parts"] == ["load", "index", "sessions", "pending"]
+    three = ShareModel.parse("load,index,sessions")
+    assert three.label(4) == "shared load+index+sessions, 0.1 s late"
+    assert ShareModel.parse("all").to_json(4)["parts"] == ["load", "index", "sessions", "pending"]
     assert ShareModel.parse("pending").label(2) == "shared pending, 0.1 s late"
     assert ShareModel().label(4) == "independent"
     assert ShareModel().to_json(4) == {
@@ -194,7 +193,7 @@ def test_share_model_parsing_and_labels() -> None:
     }  # fmt: skip
     assert ShareModel.parse("all").to_json(1)["model"] == "single"
     assert ShareModel.parse("all", 0.0).to_json(2)["delay_s"] == 0.0
-    for bad in ("all,load", "prefix", "none,load"):
+    for bad in ("all,load", "all,pending", "prefix", "none,load"):
         with pytest.raises(ValueError):
             ShareModel.parse(bad)
     with pytest.raises(ValueError):

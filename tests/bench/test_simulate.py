@@ -222,7 +222,7 @@ def test_replicas_split_what_the_approximate_index_learns_but_not_the_kv_events(
     # the others learn at once, most of them a sync (0.1 s) or even a second late.
     instant = run("kv_aware", 4, ShareModel.parse("all", 0.0))
     assert instant["share"] == {
-        "model": "shared", "parts": ["load", "index", "sessions"], "delay_s": 0.0,
+        "model": "shared", "parts": ["load", "index", "sessions", "pending"], "delay_s": 0.0,
         "label": "shared all, 0 s late",
     }  # fmt: skip
     assert instant["hit_rate"] == pytest.approx(one, abs=0.005)

@@ -119,3 +119,40 @@ def test_journal_is_bounded_and_a_failed_publish_goes_back_in_front() -> None:
     j2.put_back(batch)
     assert [e.worker for e in j2.take(10)] == ["a2", "b0", "b1"]
     assert j2.dropped == 2
+
+
+def test_kv_event_mode_peers_learn_pending_dispatches_until_their_prefill_ends() -> None:
+    """A prefix one replica sent, not yet in any event, counts as held on its worker at the
+    other replicas too (else they scatter it while the prefill queues); its first token ends it
+    there as here."""
+    from scoring.precise import PreciseIndex
+    from scoring.views import RouteRequest
+
+    clock = [100.0]
+    replicas = []
+    for seed in (1, 2):
+        o = RoutingOptions()
+        precise = PreciseIndex(settle_s=1.0, pending_ttl_s=300.0)
+        for n in WORKERS:
+            precise.set_live(n, True, clock[0])
+        state = RoutingState(o, precise)
+        state.journal = Journal()
+        p = make_policy("kv_aware", options=o, state=state, rng=random.Random(seed))
+        p._clock = lambda: clock[0]  # type: ignore[attr-defined]
+        replicas.append((p, state))
+    (a, sa), (_b, sb) = replicas
+    blocks = tuple(range(1000, 1040))
+    r = RouteRequest(model="m", chain=blocks[:8], dense_blocks=8, block_chain=blocks)
+    a.on_dispatch("w3", r)  # type: ignore[attr-defined]
+    assert sa.precise is not None and sb.precise is not None
+    assert sa.precise.match(blocks, clock[0]) == {"w3": 40}
+    assert sb.precise.match(blocks, clock[0]) == {}  # not yet shared
+    assert sa.journal is not None
+    apply_learned(sb, sa.journal.take(10), known=set(WORKERS))
+    assert sb.precise.match(blocks, clock[0]) == {"w3": 40}
+    clock[0] += 5.0  # the prefill queued for a while: still pending at both
+    assert sb.precise.match(blocks, clock[0]) == {"w3": 40}
+    a.on_prefill_done("w3", r)  # type: ignore[attr-defined]
+    apply_learned(sb, sa.journal.take(10), known=set(WORKERS))
+    clock[0] += 1.5  # past settle_s, and no event stored the blocks: gone at both
+    assert sa.precise.match(blocks, clock[0]) == sb.precise.match(blocks, clock[0]) == {}
