@@ -5,6 +5,7 @@ against the peer routers and one worker direct on a closed-loop concurrency ladd
         [--clients aiohttp,httpx]                # results: bench/out/overhead.json
     .venv/bin/kvgate bench overhead --ladder     # kvgate + direct, ~2 min on 2 cores
     .venv/bin/kvgate bench overhead --peers smg,sglang-router,vllm-router   # + the peers
+    .venv/bin/kvgate bench overhead --processes 1,4   # kvgate as 1 and as 4 processes
 
 Classic (the default): one simulated worker with the `instant` timing profile (so the worker's
 own time is ~0 and what remains is HTTP + relay), the gateway as a separate process pinned to one
@@ -33,7 +34,12 @@ core's busy share: near 100% means the router is the limit, well below means som
 The core layout comes from `os.cpu_count()` (`core_layout`): the router on the last core; on 2
 cores the fleet and one load generator share core 0, and the table says the fleet may be the
 bottleneck there; from 3 cores the fleet gets min(6, half the spare cores) cores and up to 8 load
-generators take the rest (16 cores: 1 router, 6 workers, 8 load generators). Writes
+generators take the rest (16 cores: 1 router, 6 workers, 8 load generators).
+`--processes 1,4` measures kvgate as one process and as `kvgate serve --processes 4` ("kvgate
+x4", with a throwaway local Redis for the quotas and [cluster] that several processes need),
+pinned to the last 4 cores, which the layout then keeps off the fleet and the load generators
+(16 cores: routers 12-15, workers 0-5, load generators 6-11); the one-process target stays on the
+last core alone. Its router CPU is the sum over its processes (up to N x 100%). Writes
 `bench/out/overhead_peers.json` and `overhead_peers.png` (req/s and TTFB p99 per level); the
 table fits 100 columns, `--wide` adds the p90s.
 """
@@ -421,11 +427,18 @@ class CoreLayout:
     fleet: tuple[frozenset[int], ...]
     loadgens: tuple[frozenset[int], ...]
     shared: bool
+    # The cores a gateway of several processes (`--processes N`) is pinned to: the last N, `router`
+    # among them; one-process routers stay on `router` alone.
+    routers: tuple[int, ...] = ()
 
     @property
     def others(self) -> frozenset[int]:
         """Every core but the router's (this process runs there too)."""
         return frozenset().union(*self.fleet, *self.loadgens)
+
+    def router_cores(self, n: int) -> list[int]:
+        """The cores of a router of `n` processes: `router` for one, the last `n` for more."""
+        return [self.router] if n <= 1 else list((self.routers or (self.router,))[-n:])
 
     def describe(self) -> str:
         fleet = sorted(self.others if self.shared else frozenset().union(*self.fleet))
@@ -440,6 +453,10 @@ class CoreLayout:
                 ". The fleet and the load generator share a core: the fleet, not the router, may "
                 "be the bottleneck (a router CPU well below 100% says so)"
             )
+        if len(self.routers) > 1:
+            text += f"; kvgate xN (N processes) on the last N of cores {_cores(list(self.routers))}"
+            if set(self.routers) & self.others:
+                text += ", shared with the fleet and the load generators"
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -449,6 +466,7 @@ class CoreLayout:
             "fleet": [sorted(c) for c in self.fleet],
             "loadgens": [sorted(c) for c in self.loadgens],
             "shared": self.shared,
+            "routers": list(self.routers),
         }
 
 
@@ -459,7 +477,7 @@ def _cores(cores: list[int]) -> str:
 
 
 def core_layout(
-    ncpu: int, workers: int | None = None, max_loadgens: int = MAX_LOADGENS
+    ncpu: int, workers: int | None = None, max_loadgens: int = MAX_LOADGENS, router_cores: int = 1
 ) -> CoreLayout:
     """The layout for a host with `ncpu` cores.
 
@@ -468,20 +486,27 @@ def core_layout(
     the fleet (one worker process per core, `workers` defaulting to min(6, half the spare cores))
     and up to `max_loadgens` load generators; cores left over stay idle for the OS and this
     process. 16 cores gives the issue's layout: router 1, fleet 6, load generators 8.
+
+    `router_cores` > 1 (`--processes`): the last that many cores are the routers' (`routers`),
+    the rest are split as above, and a router of one process stays on the last core alone, so its
+    figures are measured as without the option. Where that leaves no core (2 cores, 2 processes),
+    the fleet and the load generators keep core 0 and share it with the router's processes.
     """
     ncpu = max(1, ncpu)
     router = ncpu - 1
-    spare = list(range(ncpu - 1))
+    k = max(1, min(router_cores, ncpu))
+    routers = tuple(range(ncpu - k, ncpu))
+    spare = list(range(ncpu - k if ncpu - k >= 1 else ncpu - 1))
     if len(spare) <= 1:  # 1 or 2 cores: everything but the router on the one core left (or it)
         core = frozenset(spare or [router])
         n = workers or 1
-        return CoreLayout(ncpu, router, (core,) * n, (core,), shared=True)
+        return CoreLayout(ncpu, router, (core,) * n, (core,), shared=True, routers=routers)
     n = workers or min(6, len(spare) // 2)
     fleet_cores = spare[: min(n, len(spare) - 1)]  # at least one core left for the load
     fleet = tuple(frozenset([fleet_cores[i % len(fleet_cores)]]) for i in range(n))
     rest = spare[len(fleet_cores) :]
     gens = tuple(frozenset([c]) for c in rest[:max_loadgens])
-    return CoreLayout(ncpu, router, fleet, gens, shared=False)
+    return CoreLayout(ncpu, router, fleet, gens, shared=False, routers=routers)
 
 
 def split(concurrency: int, parts: int) -> list[int]:
@@ -836,6 +861,7 @@ class LadderTarget:
     status: str = "pending"  # ok | skipped | failed
     reason: str = ""
     levels: list[dict[str, Any]] = field(default_factory=list)
+    processes: int = 1  # kvgate: `kvgate serve --processes`
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -845,7 +871,20 @@ class LadderTarget:
             "status": self.status,
             "reason": self.reason,
             "levels": self.levels,
+            "processes": self.processes,
         }
+
+
+def parse_processes(text: str | None) -> list[int]:
+    """`--processes 1,4` -> [1, 4]: a kvgate target per value, in order, duplicates dropped."""
+    out: list[int] = []
+    for part in (text or "1").split(","):
+        n = int(part)
+        if n < 1:
+            raise ValueError(f"--processes: {n} is not a process count")
+        if n not in out:
+            out.append(n)
+    return out
 
 
 def _kvgate_version() -> str | None:
@@ -854,10 +893,24 @@ def _kvgate_version() -> str | None:
     return None
 
 
-def kvgate_default_toml(port: int, urls: list[str], policy: str | None = None) -> str:
+def kvgate_default_toml(
+    port: int,
+    urls: list[str],
+    policy: str | None = None,
+    processes: int = 1,
+    redis_url: str | None = None,
+) -> str:
     """kvgate as shipped: every setting at its default (kv_aware routing, the JSON request log on
-    stdout, no tenants), only the port and the workers given."""
+    stdout, no tenants), only the port and the workers given. `processes` > 1: what several
+    processes need on top, quotas in Redis (`redis_url`; no tenants, so no quota call is made)
+    and [cluster] on, with a key prefix of this run's own."""
     lines = ["[server]", f'host = "{HOST}"', f"port = {port}"]
+    if processes > 1:
+        if not redis_url:
+            raise ValueError("processes > 1 needs a redis_url")
+        lines += [f"processes = {processes}", "[quota]", 'backend = "redis"']
+        lines += [f'redis_url = "{redis_url}"', "[cluster]", "enabled = true"]
+        lines += [f'key_prefix = "kvgate:{{overhead-{port}}}:"']
     if policy:
         lines += ["[routing]", f'policy = "{policy}"']
     for i, u in enumerate(urls):
@@ -865,23 +918,49 @@ def kvgate_default_toml(port: int, urls: list[str], policy: str | None = None) -
     return "\n".join(lines) + "\n"
 
 
+def kvgate_target_name(processes: int) -> str:
+    return "kvgate" if processes <= 1 else f"kvgate x{processes}"
+
+
+def _all_processes_ready(url: str, processes: int, workers: int) -> bool:
+    """Every process of the gateway listens and sees every worker healthy (one scrape)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    serving = up = 0.0
+    text = httpx.get(url + "/metrics", timeout=2.0).text
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "kvgate_processes" and smp.labels.get("state") == "serving":
+                serving = smp.value
+            elif smp.name == "kvgate_worker_up":
+                up += smp.value
+    return serving == processes and up == processes * workers
+
+
 def start_kvgate(
-    urls: list[str], logs: Path, core: int, policy: str | None = None
+    urls: list[str],
+    logs: Path,
+    cores: int | list[int],
+    policy: str | None = None,
+    processes: int = 1,
+    redis_url: str | None = None,
 ) -> tuple[Proc, str]:
-    """`kvgate serve` with the default config, pinned; ready once it sees every worker healthy
-    and has routed one completion."""
+    """`kvgate serve` with the default config (`processes` of it), pinned to `cores`; ready once
+    it (every process of it) sees every worker healthy and has routed one completion."""
     port = free_ports(1)
-    cfg = logs / "kvgate.toml"
-    cfg.write_text(kvgate_default_toml(port, urls, policy), encoding="utf-8")
+    cfg = logs / f"kvgate-p{processes}.toml"
+    cfg.write_text(kvgate_default_toml(port, urls, policy, processes, redis_url), encoding="utf-8")
     proc = start(
-        "kvgate",
+        kvgate_target_name(processes).replace(" ", "-"),
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
         logs,
-        cores=[core],
+        cores=[cores] if isinstance(cores, int) else cores,
     )
     url = f"http://{HOST}:{port}"
 
     def ready() -> bool:
+        if processes > 1:
+            return _all_processes_ready(url, processes, len(urls))
         r = httpx.get(url + "/ready", timeout=1.0)
         return r.status_code == 200 and r.json().get("healthy_workers") == len(urls)
 
@@ -996,8 +1075,10 @@ def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
 
     cols = [c for c in LADDER_COLUMNS if wide or not c[1]]
     s = report["setup"]
+    many = max(report["setup"].get("processes") or [1]) > 1
     t = Table(
-        title="bench.overhead --ladder: closed loop, streaming chat, router on one core",
+        title="bench.overhead --ladder: closed loop, streaming chat, router on one core"
+        + (" (kvgate xN: on N)" if many else ""),
         caption=f"{report['layout_describe']}. Each level {s['seconds']:g} s after "
         f"{s['warmup_s']:g} s warm-up; unique ~{s['prompt_chars']}-char prompts, max_tokens "
         f"{s['max_tokens']}; TTFB = first SSE event; router CPU = its core's busy share "
@@ -1101,9 +1182,12 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
 
     t0 = time.monotonic()
     levels = [int(c) for c in (args.concurrency or LADDER_LEVELS).split(",")]
-    layout = core_layout(os.cpu_count() or 1, args.workers)
+    procs = parse_processes(args.processes)
+    layout = core_layout(os.cpu_count() or 1, args.workers, router_cores=max(procs))
     peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
-    targets = [LadderTarget("kvgate", "kvgate", _kvgate_version())]
+    targets = [
+        LadderTarget(kvgate_target_name(n), "kvgate", _kvgate_version(), processes=n) for n in procs
+    ]
     for name in peer_names:
         if name in PEERS:
             targets.append(LadderTarget(name, "peer"))
@@ -1132,7 +1216,12 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
         os.sched_setaffinity(0, layout.others)  # this process stays off the router's core
     fleet: list[Proc] = []
     gens: LoadGens | None = None
+    redis: Any = None
     try:
+        if max(procs) > 1:  # several processes share quotas and worker load through Redis
+            from gateway.redis_server import RedisServer
+
+            redis = RedisServer().start()
         fleet, urls = start_sim_fleet(layout, logs)
         gens = LoadGens(layout)
         with Progress(console=con, transient=True) as prog:
@@ -1143,7 +1232,14 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
                 proc: Proc | None = None
                 try:
                     if t.kind == "kvgate":
-                        proc, url = start_kvgate(urls, logs, layout.router, args.policy)
+                        proc, url = start_kvgate(
+                            urls,
+                            logs,
+                            layout.router_cores(t.processes),
+                            args.policy,
+                            t.processes,
+                            redis.url if redis is not None else None,
+                        )
                         pid = proc.popen.pid
                     elif t.kind == "peer":
                         proc, url = start_peer(
@@ -1165,6 +1261,8 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
             gens.close()
         for p in fleet:
             p.stop()
+        if redis is not None:
+            redis.close()
         if before is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, before)
@@ -1185,6 +1283,9 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
             "sim": "kvgate sim --workers 1 --profile instant --max-num-seqs 1024 "
             f"--num-blocks {SIM_NUM_BLOCKS}, one process per worker",
             "kvgate": "default config" + (f", policy {args.policy}" if args.policy else ""),
+            "processes": procs,
+            "kvgate_processes": "kvgate xN: server.processes = N, [quota] backend redis (no "
+            "tenants: no quota calls), [cluster] on; router CPU = its processes' sum",
             "peers": {
                 n: " ".join(PEERS[n].argv(Path("VENV"), 0, 0, ["WORKER_URLS"]))
                 for n in peer_names
@@ -1283,9 +1384,21 @@ def main(argv: list[str] | None = None) -> int:
         "--png", type=Path, default=None, help="plot (default: bench/out/overhead_peers.png)"
     )
     g.add_argument("--wide", action="store_true", help="every column (p90s too)")
+    g.add_argument(
+        "--processes",
+        default=None,
+        help="kvgate targets by process count, comma-separated, e.g. 1,4: `kvgate x4` runs "
+        "`serve --processes 4` pinned to the last 4 cores (with a local Redis, as several "
+        "processes need); implies --ladder (default: 1)",
+    )
     args = ap.parse_args(argv)
     con = Console() if sys.stdout.isatty() else Console(width=100)
-    if args.ladder or args.peers.strip() not in ("", "none"):
+    if args.processes is not None:
+        try:
+            parse_processes(args.processes)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.ladder or args.peers.strip() not in ("", "none") or args.processes is not None:
         return ladder(args, con)
     return classic(args, con)
 

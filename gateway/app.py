@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -75,6 +75,9 @@ from scoring.views import RoutingOptions, Weights
 from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
 from workers.registry import Health, Registry, Worker, WorkerSpec
+
+if TYPE_CHECKING:
+    from gateway.supervisor import Siblings
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -194,6 +197,9 @@ class Gateway:
         self.watcher: ConfigWatcher | None = None
         self.started_at = time.time()
         self.draining = False
+        # One of `kvgate serve --processes N`'s children (gateway/supervisor.py sets it): /metrics
+        # then answers for every process, /health and /ready say which one answered.
+        self.processes: Siblings | None = None
 
     def _make_policy(self, r: RoutingSettings) -> Policy:
         return make_policy(
@@ -258,6 +264,20 @@ class Gateway:
                 self.config_path, self.settings, self.apply, self._on_reload_error
             )
             await self.watcher.start()
+        if self.processes is not None:
+            await self._first_probes(s.probes.timeout_s + 1.0)
+
+    async def _first_probes(self, seconds: float) -> None:
+        """A restarted process of several listens (and takes its share of new connections)
+        only once its probes found a healthy worker, or every worker answered, or `seconds`
+        passed: until then it could only answer 503 where its siblings serve."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        workers = self.registry.workers.values()
+        while loop.time() < end and not self.registry.healthy():
+            if all(w.health is not Health.STARTING for w in workers):
+                return
+            await asyncio.sleep(0.02)
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Graceful shutdown, step one (SIGTERM): stop taking work, let in-flight work finish.
@@ -803,20 +823,22 @@ class Gateway:
         )
 
     async def health(self, request: Request) -> Response:
+        if self.processes is not None:
+            return JSONResponse(self.processes.health())
         return Response(b"", 200)
 
     async def ready(self, request: Request) -> Response:
         healthy = len(self.registry.healthy())
         ok = bool(healthy) and not self.draining
-        return JSONResponse(
-            {
-                "ready": ok,
-                "draining": self.draining,
-                "healthy_workers": healthy,
-                "workers": len(self.registry.workers),
-            },
-            status_code=200 if ok else 503,
-        )
+        body: dict[str, Any] = {
+            "ready": ok,
+            "draining": self.draining,
+            "healthy_workers": healthy,
+            "workers": len(self.registry.workers),
+        }
+        if self.processes is not None:
+            body.update(self.processes.health())
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prom(self, request: Request) -> Response:
         if self.settings.admin.metrics_require_key:
@@ -824,7 +846,11 @@ class Gateway:
                 self._admin(request)
             except APIError as e:
                 return e.response()
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if self.processes is not None:
+            body = await self.processes.scrape()
+        else:
+            body = generate_latest(self.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # -- admin -------------------------------------------------------------------------------------
     def _admin(self, request: Request) -> None:
@@ -907,6 +933,8 @@ class Gateway:
                     "config rejected; the running config is unchanged (see logs)",
                     "invalid_request_error",
                 )
+            if self.processes is not None:
+                self.processes.reload_all()
             return JSONResponse({"reloaded": True})
         except APIError as e:
             return e.response()

@@ -15,13 +15,16 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from gateway.config import ConfigError, Settings, load_settings
 from gateway.logs import setup_logging
+
+if TYPE_CHECKING:
+    from gateway.supervisor import ChildSpec
 
 DEFAULT_CONFIG = "config.example.toml"
 # `kvgate dev`'s drain on Ctrl-C: long enough for a short request to finish, short enough that
@@ -41,17 +44,24 @@ async def _serve(
     config_path: Path | None,
     on_ready: Callable[[Any], Awaitable[None]] | None = None,
     drain_grace_s: float | None = None,
+    child: ChildSpec | None = None,
 ) -> None:
     """Serve until a signal stops it (gateway/server.py: connection guard, draining shutdown).
 
     `drain_grace_s` None: the configured `server.drain_grace_s` (`kvgate serve`); the dev runner
-    passes a short one. `on_ready(app)` runs once the socket listens.
+    passes a short one. `on_ready(app)` runs once the socket listens. `child`: one of
+    `--processes N`'s children, on a SO_REUSEPORT socket of its own (gateway/supervisor.py).
     """
     from gateway.app import create_app
     from gateway.server import build_server
 
     app = create_app(settings, config_path)
     server = build_server(app, settings.server, drain_grace_s=drain_grace_s)
+    if child is not None:
+        from gateway.supervisor import run_child
+
+        await run_child(app, server, child)
+        return
     if on_ready is None:
         await server.serve()
         return
@@ -76,6 +86,13 @@ def run_async(coro) -> None:  # type: ignore[no-untyped-def]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.supervisor import ChildSpec, process_count, supervise
+
+    child = ChildSpec.from_arg(args.child) if args.child else None
+    if child is not None:
+        # Until its config watcher takes SIGHUP over, a reload the supervisor forwards must not
+        # end a starting child (SIGHUP's default); the child reads the file as it starts anyway.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     settings = _load(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
@@ -83,7 +100,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             update={"server": settings.server.model_copy(update=overrides)}
         )
     setup_logging(settings.logging.level, settings.logging.format)
-    run_async(_serve(settings, Path(args.config)))
+    try:
+        processes = process_count(
+            args.processes if args.processes is not None else settings.server.processes
+        )
+    except ValueError as e:
+        sys.exit(f"kvgate: --processes: {e}")
+    if child is None and processes > 1:
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", args.config]
+        for flag, value in (("--host", args.host), ("--port", args.port)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return supervise(settings, argv, processes)
+    run_async(_serve(settings, Path(args.config), child=child))
     return 0
 
 
@@ -234,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="TOML config file (reloaded live)")
     p.add_argument("--host", default=None, help="override server.host")
     p.add_argument("--port", type=int, default=None, help="override server.port")
+    p.add_argument(
+        "--processes",
+        default=None,
+        metavar="N|auto",
+        help="override server.processes: N gateway processes on one address (needs Redis)",
+    )
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("dev", help="simulated workers for every configured worker + the gateway")

@@ -16,7 +16,7 @@ import signal
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -51,6 +51,17 @@ class ServerSettings(_Section):
     # for a newcomer, and only when all are busy is the newcomer refused (503). Lowered at start
     # to what the open-file limit holds.
     max_connections: int = Field(8192, ge=16)
+    # Gateway processes on this address (gateway/supervisor.py); "auto" = the cores this process
+    # may run on. Above 1 they share quotas and worker load through Redis like replicas: needs
+    # [quota] backend = "redis". Read at start only.
+    processes: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _processes(cls, v: object) -> object:
+        if isinstance(v, bool):  # TOML `true` would otherwise read as 1
+            raise ValueError('must be an integer >= 1 or "auto"')
+        return v
 
 
 class LoggingSettings(_Section):

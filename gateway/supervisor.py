@@ -1,0 +1,762 @@
+"""`kvgate serve --processes N`: N full gateway processes behind one listening address.
+
+One gateway process tops out at one core (the event loop). The supervisor (`Supervisor`, the
+process `kvgate serve` becomes when N > 1) checks that the address is free, then starts N
+children, each `kvgate serve` with a `ChildSpec`, each a whole gateway on its own SO_REUSEPORT
+listener: its own probes, routing state, admission queue, upstream pool. They share what replicas
+share, through Redis: quotas (the redis backend is required, or every process would enforce every
+limit in full) and per-worker load (`[cluster]`, turned on for them, each child a replica with an
+id of its own; each also counts as a replica in the quota store's fail-open share). Limits in
+[server] (`max_connections`, `max_concurrent_requests`) are per process.
+
+Why SO_REUSEPORT per child and not one pre-forked socket that every child accepts from, measured
+(2 shared cores, one simulated worker, the real children, aiohttp clients; connections per process
+read from `kvgate_client_connections`; largest share of one process over 10 bursts, median /
+worst, where an even split is 1/N):
+
+    64 kept-alive connections opened at once     shared socket        SO_REUSEPORT
+      2 processes (even 0.50)                    0.59-0.62 / 0.66-1.00 0.53 / 0.63
+      4 processes (even 0.25)                    0.45 / 0.57           0.32 / 0.38
+      4 processes, connections spread over 1 s   0.32 / 0.40           0.32 / 0.34
+    process killed (SIGKILL) under 64 users opening a connection per request, 4 s:
+      failed requests, 4 runs                    14-35                 9-50
+    process stopped (SIGSTOP), 64 new connections, killed 2 s later:
+      served / reset                             64 / 0 (the other)    34-39 / 25-30
+
+With one shared socket whichever process wakes first takes a whole burst (libuv accepts until the
+queue is empty): one run put all 64 connections on one of two processes, and with four, one got
+1-3 of 64 in 6 bursts of 10. Kept-alive clients (load balancers, SDK pools) then stay where they
+landed, so N processes did not carry N times the load. The kernel's hash spreads them evenly. What
+SO_REUSEPORT costs: a dying process's accept queue is reset, which under load measured no worse
+(the requests in flight on the killed process are most of the failures either way), and a process
+that hangs without dying keeps getting 1/N of new connections, reset when it is killed; with one
+socket the others would take them; the supervisor kills and restarts a process whose metrics
+socket has not answered for `HUNG_AFTER_S` (30 s), which bounds that. A bind without
+SO_REUSEPORT first (`check_address`) fails on any listener, so the children never quietly join
+another gateway's group on the same port; no child alive means connections are refused, not
+queued.
+
+Supervision: a child that exits before it ever listened makes the whole start fail (exit 1: the
+config or the environment is wrong, and restarting would only loop); a child that dies later is
+restarted after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has lived 60 s),
+each restart logged, while the others serve. A restarted child listens once its first probes
+found a healthy worker (`Gateway._first_probes`), not answering 503 beside siblings that serve.
+SIGTERM/SIGINT are forwarded (as SIGTERM) to every child: the first drains each of them
+(gateway/server.py `DrainingServer`), a second stops them now, a fourth kills them; the
+supervisor exits once all have exited (0 when every child it stopped exited cleanly).
+SIGHUP is forwarded to every child that is listening (each reloads its config, as the single
+process does on SIGHUP), and to a child still starting once it listens. Children run in process
+groups of their own, so a terminal's Ctrl-C reaches the supervisor alone and each child sees one
+signal per forwarded signal; a child whose supervisor died (SIGKILL) sees its lifeline pipe close
+and drains itself. Under systemd use `KillMode=mixed` (the default `control-group` would signal
+the children directly as well, and two signals mean "stop now").
+
+Metrics: each child also answers on a unix socket in the supervisor's private run directory
+(mode 0700: the admin-key rule of /metrics cannot be sidestepped through it, as it could through a
+127.0.0.1 port any local user can reach). The child that answers a scrape of /metrics fetches its
+siblings' expositions there, concurrently, and merges them (`gateway.metrics.merge_expositions`):
+one HELP/TYPE per family and a `process="k"` label (k = the slot, stable across restarts) on every
+sample, so `sum without(process) (...)` is the gateway's total. A sibling that does not answer
+within `SIBLING_TIMEOUT_S` is left out and counted (`kvgate_processes_scrape_errors_total`); the
+scrape never fails for it (one still starting is left out without counting). The supervisor's own
+state (target, live and serving children, restarts) is a small JSON file in the run directory that
+children read for /metrics (`kvgate_processes{state=...}`, `kvgate_process_restarts_total`, with
+no `process` label: one per gateway) and for the bodies of /health and /ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from gateway.config import Settings
+from gateway.metrics import merge_expositions, supervisor_exposition
+
+log = logging.getLogger("kvgate.supervisor")
+
+BACKOFF_INITIAL_S = 0.5
+BACKOFF_MAX_S = 30.0
+# A child that lived this long before dying crashed on its own, not in a loop: backoff restarts.
+BACKOFF_RESET_S = 60.0
+SIBLING_TIMEOUT_S = 1.0
+# Every WATCH_INTERVAL_S the supervisor reads each serving child's metrics socket; a child that
+# has not answered for HUNG_AFTER_S is hung (alive, not serving its share of new connections) and
+# is killed, then restarted. Generous: a reload that loads a tokenizer blocks a loop for seconds.
+WATCH_INTERVAL_S = 5.0
+HUNG_AFTER_S = 30.0
+STATE_FILE = "state.json"
+
+
+def process_count(value: int | str) -> int:
+    """`server.processes` / `--processes` as a number: "auto" is the cores this process may run
+    on (its affinity mask, which is what a container's cpuset gives), else the int itself."""
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            try:
+                return max(1, len(os.sched_getaffinity(0)))
+            except (AttributeError, OSError):  # no affinity masks (macOS)
+                return max(1, os.cpu_count() or 1)
+        value = int(value)
+    if value < 1:
+        raise ValueError(f"processes must be >= 1 or 'auto', got {value}")
+    return value
+
+
+def shared_state_problem(settings: Settings, processes: int) -> str | None:
+    """Why `settings` cannot run as `processes` processes, in one line, or None."""
+    if processes > 1 and settings.quota.backend != "redis":
+        return (
+            f"server.processes = {processes} needs shared quotas: set [quota] backend = "
+            f'"redis" (and redis_url); with the memory backend each process would enforce every '
+            f"limit on its own, {processes} times over"
+        )
+    return None
+
+
+def child_environment(settings: Settings, processes: int) -> dict[str, str]:
+    """Overrides every child runs with (environment beats the file, at start and on reload):
+    `[cluster]` on, and each process counted as a replica in the quota store's fail-open share."""
+    return {
+        "KVGATE_CLUSTER__ENABLED": "true",
+        "KVGATE_QUOTA__REPLICAS": str(settings.quota.replicas * processes),
+    }
+
+
+# ==================================================================================================
+# The child's side
+# ==================================================================================================
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """What the supervisor hands one child (as JSON in a hidden `kvgate serve --child` argument)."""
+
+    index: int
+    processes: int
+    run_dir: str
+    ready_fd: int
+    lifeline_fd: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    starts: int = 1
+    supervisor_pid: int = 0
+
+    def to_arg(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_arg(cls, text: str) -> ChildSpec:
+        return cls(**json.loads(text))
+
+    def metrics_path(self, index: int) -> Path:
+        return Path(self.run_dir) / f"metrics-{index}.sock"
+
+
+def read_state(run_dir: str | Path) -> dict[str, Any] | None:
+    """The supervisor's last state (None when it is gone or the file is being replaced)."""
+    try:
+        data = json.loads((Path(run_dir) / STATE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class Siblings:
+    """One child's view of the process group: who it is, and its siblings' metrics."""
+
+    def __init__(self, spec: ChildSpec, registry: CollectorRegistry) -> None:
+        self.spec = spec
+        self.registry = registry
+        self.scrape_errors = Counter(
+            "kvgate_processes_scrape_errors",
+            "Sibling processes that did not answer this process's /metrics scrape in time "
+            "(left out of that scrape)",
+            registry=registry,
+        )
+        self._server: asyncio.AbstractServer | None = None
+
+    def own(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start(self) -> None:
+        """Answer siblings' scrapes on this slot's unix socket: the exposition, then close."""
+
+        async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                w.write(self.own())
+                await w.drain()
+            except ConnectionError:  # the reader left early (a timed-out scrape)
+                pass
+            finally:
+                w.close()
+
+        path = self.spec.metrics_path(self.spec.index)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a killed predecessor's
+        self._server = await asyncio.start_unix_server(answer, str(path))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.spec.metrics_path(self.spec.index).unlink()
+
+    async def _fetch(self, index: int) -> bytes | None:
+        try:
+            async with asyncio.timeout(SIBLING_TIMEOUT_S):
+                r, w = await asyncio.open_unix_connection(str(self.spec.metrics_path(index)))
+                try:
+                    return await r.read()
+                finally:
+                    w.close()
+        except (OSError, TimeoutError):
+            return None
+
+    async def scrape(self) -> bytes:
+        """The whole gateway: every process's series labelled `process`, plus the supervisor's."""
+        state = read_state(self.spec.run_dir)
+        # The siblings the supervisor saw listening (all of them if its state is unreadable): one
+        # starting or restarting is missing for a known reason, not a failed scrape.
+        serving = state.get("serving_slots") if state else None
+        if not isinstance(serving, list):
+            serving = list(range(self.spec.processes))
+        others = [k for k in serving if isinstance(k, int) and k != self.spec.index]
+        got = await asyncio.gather(*(self._fetch(k) for k in others))
+        missing = sum(1 for g in got if g is None)
+        if missing:
+            self.scrape_errors.inc(missing)
+        parts = [(str(self.spec.index), self.own())]
+        parts += [(str(k), g) for k, g in zip(others, got, strict=True) if g is not None]
+        parts.sort(key=lambda p: int(p[0]))
+        return merge_expositions(parts) + supervisor_exposition(state, len(parts))
+
+    def reload_all(self) -> None:
+        """`POST /admin/reload` answered here: the siblings reload too (the supervisor forwards
+        SIGHUP to every child; this one finds its config unchanged). Only to our own supervisor:
+        an orphan's parent is init or a subreaper."""
+        if self.spec.supervisor_pid and os.getppid() == self.spec.supervisor_pid:
+            os.kill(self.spec.supervisor_pid, signal.SIGHUP)
+
+    def health(self) -> dict[str, Any]:
+        """For /health and /ready: which process answered, and the supervisor's counts."""
+        state = read_state(self.spec.run_dir) or {}
+        return {
+            "process": self.spec.index,
+            "pid": os.getpid(),
+            "processes": {
+                "target": self.spec.processes,
+                "live": state.get("live"),
+                "restarts": state.get("restarts"),
+            },
+        }
+
+
+def _socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    return sock
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """This child's own socket in the address's SO_REUSEPORT group, bound, not listening: it
+    joins the group (and gets its share of new connections) when uvicorn starts listening, after
+    the gateway's start-up, so no connection waits on a process still starting."""
+    sock = _socket(host)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def run_child(app: Any, server: Any, spec: ChildSpec) -> None:
+    """Serve as one of the supervisor's children: on a socket of its own in the address's
+    SO_REUSEPORT group, answering siblings' scrapes, telling the supervisor once it listens,
+    draining if the supervisor goes away."""
+    gw = app.state.gateway
+    siblings = Siblings(spec, gw.metrics.registry)
+    gw.processes = siblings
+    sock = listen_socket(spec.host, spec.port)
+    await siblings.start()
+    loop = asyncio.get_running_loop()
+    orphaned = False
+
+    def lifeline() -> None:
+        # EOF: the supervisor is gone (it never writes). Drain as on a first SIGTERM.
+        nonlocal orphaned
+        with contextlib.suppress(OSError):
+            if os.read(spec.lifeline_fd, 64):
+                return
+        loop.remove_reader(spec.lifeline_fd)
+        orphaned = True
+        if server.signals == 0:
+            log.warning("process %d: the supervisor is gone; draining", spec.index)
+            server.handle_exit(signal.SIGTERM, None)
+
+    loop.add_reader(spec.lifeline_fd, lifeline)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes a flag)
+            await asyncio.sleep(0.02)
+        if server.started:
+            with contextlib.suppress(OSError):
+                os.write(spec.ready_fd, b"ready\n")
+        with contextlib.suppress(OSError):
+            os.close(spec.ready_fd)
+        await task
+    finally:
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(spec.lifeline_fd)
+        await siblings.stop()
+        if orphaned:  # the supervisor could not clean up: the last child out removes the dir
+            _remove_run_dir(Path(spec.run_dir))
+
+
+def _remove_run_dir(run_dir: Path) -> None:
+    for name in (STATE_FILE, STATE_FILE + ".tmp"):
+        with contextlib.suppress(OSError):
+            (run_dir / name).unlink()
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()  # fails while a sibling's socket is still there
+
+
+# ==================================================================================================
+# The supervisor's side
+# ==================================================================================================
+
+
+@dataclass
+class Slot:
+    """One of the N places a child runs in; `index` is its `process` label, kept on restart."""
+
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    ready_r: int | None = None  # read end of the child's ready pipe, until it answers or exits
+    ready: bool = False
+    ever_ready: bool = False
+    # Its exit was handled (Popen.send_signal may reap a child itself: `returncode` alone is no
+    # sign that this loop saw the exit).
+    reaped: bool = False
+    started_at: float = 0.0
+    starts: int = 0
+    backoff_s: float = BACKOFF_INITIAL_S
+    restart_at: float | None = None
+    reload_pending: bool = False
+    probe: socket.socket | None = None  # the watchdog's read of its metrics socket, in progress
+    probe_at: float = 0.0
+    answered_at: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"code {code}"
+
+
+class Supervisor:
+    """Starts, watches and restarts the children; forwards signals; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        child_argv: Sequence[str],
+        processes: int,
+        *,
+        watch_interval_s: float = WATCH_INTERVAL_S,
+        hung_after_s: float = HUNG_AFTER_S,
+    ) -> None:
+        self.settings = settings
+        self.watch_interval_s = watch_interval_s
+        self.hung_after_s = hung_after_s
+        self.child_argv = list(child_argv)
+        self.n = processes
+        self.host, self.port = settings.server.host, settings.server.port
+        self.slots = [Slot(k) for k in range(processes)]
+        self.env = {**os.environ, **child_environment(settings, processes)}
+        self.run_dir = ""
+        self.lifeline_r = self.lifeline_w = -1
+        self.stopping = False
+        self.stopped: list[Slot] = []
+        self.signals = 0
+        self.reload = False
+        self.restarts = 0
+        self.all_ready = False
+        self._wake_r, self._wake_w = -1, -1
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def check_address(self) -> None:
+        """Fail now (OSError) when anything listens on the address, kvgate children of another
+        supervisor included: a bind without SO_REUSEPORT is refused by any listener, where the
+        children's SO_REUSEPORT binds would quietly join another gateway's group. Port 0 becomes
+        a concrete port here, the one every child binds."""
+        probe = _socket(self.host)
+        try:
+            probe.bind((self.host, self.port))
+            self.port = probe.getsockname()[1]
+        finally:
+            probe.close()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def run(self) -> int:
+        """Supervise until every child has exited after a signal; the exit status."""
+        self.run_dir = tempfile.mkdtemp(prefix="kvgate-")
+        self.lifeline_r, self.lifeline_w = os.pipe()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        old_wakeup = signal.set_wakeup_fd(self._wake_w)
+        handlers = {
+            sig: signal.signal(sig, self._on_signal)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        }
+        try:
+            log.info(
+                "starting %d processes on %s (SO_REUSEPORT; [cluster] on, quotas in Redis)",
+                self.n,
+                self.address,
+            )
+            for slot in self.slots:
+                self._start(slot)
+            self._write_state()
+            return self._loop()
+        finally:
+            for slot in self.slots:  # only on a crash of this loop: never leave children behind
+                if slot.alive and slot.proc is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.kill()
+                    slot.proc.wait()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            signal.set_wakeup_fd(old_wakeup)
+            for fd in (self.lifeline_r, self.lifeline_w, self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            for slot in self.slots:
+                self._close_ready(slot)
+                self._close_probe(slot)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        if sig == signal.SIGHUP:
+            self.reload = True
+        else:
+            self.signals += 1
+
+    def _loop(self) -> int:
+        handled = 0
+        while True:
+            if self.signals > handled:
+                handled = self.signals
+                self._shutdown(handled)
+            if self.reload:
+                self.reload = False
+                self._forward_reload()
+            self._wait(0.2)
+            changed = self._read_ready()
+            if not self.stopping:
+                changed |= self._watch()
+            changed |= self._reap()
+            if not self.stopping:
+                if not self.all_ready and any(
+                    s.proc is not None and s.proc.returncode is not None and not s.ever_ready
+                    for s in self.slots
+                ):
+                    return self._abort_start()
+                changed |= self._restart_due()
+            if changed:
+                self._write_state()
+            if self.stopping and not any(s.alive for s in self.slots):
+                # Of the children the stop found running (a crashed one waiting for its restart
+                # was logged already); our SIGTERM ends one still starting with -15.
+                codes = [s.proc.returncode for s in self.stopped if s.proc is not None]
+                bad = [c for c in codes if c not in (0, -signal.SIGTERM)]
+                log.info("all processes exited%s", f" ({bad} not cleanly)" if bad else "")
+                return 1 if bad else 0
+
+    def _wait(self, timeout: float) -> None:
+        fds: list[Any] = [self._wake_r] + [s.ready_r for s in self.slots if s.ready_r is not None]
+        fds += [s.probe for s in self.slots if s.probe is not None]
+        with contextlib.suppress(InterruptedError):
+            readable, _, _ = select.select(fds, [], [], timeout)
+            if self._wake_r in readable:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.read(self._wake_r, 512)
+
+    # -- children --------------------------------------------------------------------------------
+    def _start(self, slot: Slot) -> None:
+        ready_r, ready_w = os.pipe()
+        slot.starts += 1
+        spec = ChildSpec(
+            index=slot.index,
+            processes=self.n,
+            run_dir=self.run_dir,
+            ready_fd=ready_w,
+            lifeline_fd=self.lifeline_r,
+            host=self.host,
+            port=self.port,
+            starts=slot.starts,
+            supervisor_pid=os.getpid(),
+        )
+        try:
+            slot.proc = subprocess.Popen(
+                [*self.child_argv, "--child", spec.to_arg()],
+                pass_fds=(ready_w, self.lifeline_r),
+                env=self.env,
+                process_group=0,  # a terminal's Ctrl-C reaches the supervisor only
+            )
+        finally:
+            os.close(ready_w)
+        slot.ready_r = ready_r
+        slot.ready = slot.reaped = False
+        slot.started_at = time.monotonic()
+        slot.restart_at = None
+
+    def _close_ready(self, slot: Slot) -> None:
+        if slot.ready_r is not None:
+            with contextlib.suppress(OSError):
+                os.close(slot.ready_r)
+            slot.ready_r = None
+
+    def _read_ready(self) -> bool:
+        changed = False
+        for slot in self.slots:
+            if slot.ready_r is None:
+                continue
+            r, _, _ = select.select([slot.ready_r], [], [], 0)
+            if not r:
+                continue
+            data = b""
+            with contextlib.suppress(OSError):
+                data = os.read(slot.ready_r, 64)
+            self._close_ready(slot)  # one message, or EOF (it exited before listening)
+            if data and slot.alive and slot.proc is not None:
+                slot.ready = slot.ever_ready = changed = True
+                slot.answered_at = time.monotonic()
+                log.info("process %d (pid %d) is serving", slot.index, slot.proc.pid)
+                if slot.reload_pending:
+                    slot.reload_pending = False
+                    self._kill(slot, signal.SIGHUP)
+                if not self.all_ready and all(s.ready for s in self.slots):
+                    self.all_ready = True
+                    log.info("all %d processes are serving on %s", self.n, self.address)
+        return changed
+
+    def _reap(self) -> bool:
+        changed = False
+        now = time.monotonic()
+        for slot in self.slots:
+            p = slot.proc
+            if p is None or slot.reaped or p.poll() is None:
+                continue
+            slot.reaped = changed = True
+            slot.ready = slot.reload_pending = False
+            self._close_ready(slot)
+            self._close_probe(slot)
+            if self.stopping or not (slot.ever_ready or self.all_ready):
+                # Stopping, or a first start that failed (`_loop` then ends the whole start).
+                log.info(
+                    "process %d (pid %d) exited with %s",
+                    slot.index,
+                    p.pid,
+                    _exit_text(p.returncode),
+                )
+                continue
+            if now - slot.started_at >= BACKOFF_RESET_S:
+                slot.backoff_s = BACKOFF_INITIAL_S
+            delay = slot.backoff_s
+            slot.backoff_s = min(BACKOFF_MAX_S, slot.backoff_s * 2)
+            slot.restart_at = now + delay
+            self.restarts += 1
+            log.warning(
+                "process %d (pid %d) exited with %s after %.1f s; restarting it in %.1f s "
+                "(restart %d of this gateway)",
+                slot.index,
+                p.pid,
+                _exit_text(p.returncode),
+                now - slot.started_at,
+                delay,
+                self.restarts,
+            )
+        return changed
+
+    # -- the watchdog ----------------------------------------------------------------------------
+    def _watch(self) -> bool:
+        """Read each serving child's metrics socket now and then (non-blocking, over several
+        turns of the loop); kill one that has not answered for `hung_after_s`."""
+        now = time.monotonic()
+        changed = False
+        for slot in self.slots:
+            if not (slot.ready and slot.alive and slot.proc is not None):
+                continue
+            if slot.probe is not None:
+                self._read_probe(slot, now)
+            elif now - max(slot.answered_at, slot.probe_at) >= self.watch_interval_s:
+                self._open_probe(slot, now)
+            silent = now - slot.answered_at
+            if silent >= self.hung_after_s:
+                log.error(
+                    "process %d (pid %d) has not answered for %.0f s: killing it (hung)",
+                    slot.index,
+                    slot.proc.pid,
+                    silent,
+                )
+                self._close_probe(slot)
+                self._kill(slot, signal.SIGKILL)
+                slot.ready, changed = False, True  # not serving; restarted once reaped
+        return changed
+
+    def _open_probe(self, slot: Slot, now: float) -> None:
+        slot.probe_at = now
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(Path(self.run_dir) / f"metrics-{slot.index}.sock"))
+        except (BlockingIOError, InterruptedError):
+            pass  # in progress: a full backlog
+        except OSError:  # no socket, or no one listening on it: silence, tried again later
+            sock.close()
+            return
+        slot.probe = sock
+
+    def _read_probe(self, slot: Slot, now: float) -> None:
+        assert slot.probe is not None
+        try:
+            while slot.probe.recv(1 << 16):  # to the end: the child writes its whole exposition
+                pass
+        except (BlockingIOError, InterruptedError):
+            return  # more to come
+        except OSError:
+            self._close_probe(slot)
+            return
+        slot.answered_at = now
+        self._close_probe(slot)
+
+    def _close_probe(self, slot: Slot) -> None:
+        if slot.probe is not None:
+            slot.probe.close()
+            slot.probe = None
+
+    def _restart_due(self) -> bool:
+        now = time.monotonic()
+        due = [s for s in self.slots if s.restart_at is not None and s.restart_at <= now]
+        for slot in due:
+            self._start(slot)
+            log.info("process %d restarted", slot.index)
+        return bool(due)
+
+    def _abort_start(self) -> int:
+        for slot in self.slots:
+            code = slot.proc.returncode if slot.proc is not None else None
+            if code is not None and not slot.ever_ready:
+                log.error(
+                    "process %d exited with %s before it served: the gateway cannot start (its "
+                    "error is logged above); stopping the others",
+                    slot.index,
+                    _exit_text(code),
+                )
+        self.stopping = True
+        for slot in self.slots:
+            self._kill(slot, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for slot in self.slots:
+            if slot.proc is not None:
+                try:
+                    slot.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    slot.proc.kill()
+                    slot.proc.wait()
+        return 1
+
+    def _kill(self, slot: Slot, sig: int) -> None:
+        if slot.alive and slot.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                slot.proc.send_signal(sig)
+
+    def _shutdown(self, count: int) -> None:
+        """Signal `count` (SIGTERM/SIGINT): forwarded as SIGTERM; the fourth kills."""
+        if not self.stopping:
+            self.stopping = True
+            self.stopped = [s for s in self.slots if s.alive]
+            log.warning("stopping: draining %d processes", len(self.stopped))
+        for slot in self.slots:
+            slot.restart_at = None
+            self._kill(slot, signal.SIGKILL if count >= 4 else signal.SIGTERM)
+        self._write_state()
+
+    def _forward_reload(self) -> None:
+        n = 0
+        for slot in self.slots:
+            if slot.ready:
+                self._kill(slot, signal.SIGHUP)
+                n += 1
+            elif slot.alive:
+                slot.reload_pending = True  # sent once it listens (its handler is in place)
+        log.info("SIGHUP: config reload sent to %d processes", n)
+
+    def _write_state(self) -> None:
+        state = {
+            "target": self.n,
+            "live": sum(1 for s in self.slots if s.alive),
+            "serving": sum(1 for s in self.slots if s.ready),
+            "serving_slots": [s.index for s in self.slots if s.ready],
+            "restarts": self.restarts,
+            "stopping": self.stopping,
+            "pids": {str(s.index): s.proc.pid for s in self.slots if s.alive and s.proc},
+        }
+        path = Path(self.run_dir) / STATE_FILE
+        tmp = path.with_name(STATE_FILE + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(state), encoding="utf-8")
+            os.replace(tmp, path)
+
+
+def supervise(
+    settings: Settings,
+    child_argv: Sequence[str],
+    processes: int,
+) -> int:
+    """`kvgate serve` with N > 1: check the config can be shared, bind, supervise."""
+    problem = shared_state_problem(settings, processes)
+    if problem:
+        print(f"kvgate: {problem}", file=sys.stderr, flush=True)
+        return 2
+    sup = Supervisor(settings, child_argv, processes)
+    try:
+        sup.check_address()
+    except OSError as e:
+        print(f"kvgate: cannot listen on {sup.address}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if not settings.cluster.enabled:
+        log.warning(
+            "server.processes = %d: [cluster] turned on for the processes (they share per-worker "
+            "load through Redis like replicas)",
+            processes,
+        )
+    return sup.run()
