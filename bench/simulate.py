@@ -67,7 +67,14 @@ from bench.traces import (
     sample,
     scale_time,
 )
-from scoring.policy import RouteRequest, RoutingState, WorkerView, make_policy, route_request
+from scoring.policy import (
+    POLICY_NAMES,
+    RouteRequest,
+    RoutingState,
+    WorkerView,
+    make_policy,
+    route_request,
+)
 from scoring.precise import PreciseIndex
 from scoring.prefix import block_keys, chain_hashes_tokens, seed_for, tail_layout
 from scoring.views import RoutingOptions, Weights
@@ -424,6 +431,13 @@ class PolicyRouter:
         r, w = self.running.pop(request_id)
         self.sync.finished(r, now, w)
 
+    def rejected(self, request_id: str, now: float) -> None:
+        """The engine refused the request it was sent (too long: vLLM's 400): whatever the
+        dispatch counted ends here, as a failed request's does in the gateway."""
+        self.first_token(request_id, now)
+        if self.track_done:
+            self.finished(request_id, now)
+
 
 class ObservedFleet(VirtualFleet):
     """A VirtualFleet that tells the router when a request delivers its first token (and, with
@@ -495,9 +509,8 @@ def simulate_policy(
     reqs = trace.requests
     if not reqs:
         raise ValueError("empty trace")
-    longest = max(r.input_length + max(1, r.output_length) for r in reqs)
-    if longest > fleet.max_model_len:
-        fleet = FleetSpec(**{**fleet.to_json(), "max_model_len": longest})
+    # A request longer than the model's context or the worker's whole KV cache is refused as
+    # vLLM refuses it (a 400), counted per reason in `failed`; the replay goes on.
     router = PolicyRouter(
         spec,
         {r.request_id: r for r in reqs},
@@ -543,6 +556,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Per-policy metrics in seconds, names as in the JSON report (see the module docstring)."""
     res = result.results
+    failed = Counter(r.rejected for r in res if r.rejected is not None)
     done = [r for r in res if r.completion_time is not None]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     e2es = [r.e2e for r in done if r.e2e is not None]
@@ -565,6 +579,8 @@ def summarize(
         "options": dict(spec.options),
         "requests": len(res),
         "completed": len(done),
+        "failed": sum(failed.values()),
+        "failed_by_reason": dict(sorted(failed.items())),
         "hit_rate": hit,
         "bound_hit_rate": bound_rate,
         "hit_vs_bound": hit / bound_rate if bound_rate else None,
@@ -927,7 +943,8 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = DEFAULT_POLICIES)
     g.add_argument(
         "--policies",
         default=default,
-        help="comma-separated; a variant carries overrides: kv_aware[queue=0.4;affinity_slack=2]",
+        help=f"comma-separated, of {', '.join([*POLICY_NAMES, PRECISE])} (KV events); a variant "
+        "carries overrides: kv_aware[queue=0.4;affinity_slack=2]",
     )
     g.add_argument("--weights", default=None, help="kv_aware weights for every policy: k=v,...")
     g.add_argument("--options", default=None, help="RoutingOptions for every policy: k=v,...")
@@ -1092,6 +1109,14 @@ def main(argv: list[str] | None = None) -> int:
     results = run_tasks(ctx, tasks, args.jobs, not args.quiet, console)
     report = build_report(ctx, results, time_scale, time.perf_counter() - t0)
     print_table(console, report_table(report, args.wide))
+    for pol in report["policies"]:
+        if pol["failed"]:
+            why = ", ".join(f"{k} {v}" for k, v in pol["failed_by_reason"].items())
+            console.print(
+                f"{pol['policy']}: {pol['failed']} requests refused as vLLM refuses them (400): "
+                f"{why}",
+                markup=False,
+            )
     rt = reasons_table(report)
     if rt is not None:
         print_table(console, rt)

@@ -260,3 +260,33 @@ def test_cli_replica_model_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
         with pytest.raises(SystemExit) as e:
             main([*base, *bad])
         assert e.value.code == 2
+
+
+def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() -> None:
+    """Longer than the worker's whole KV cache (200 x 16 tokens) or than max_model_len (4096):
+    vLLM answers 400; the replay counts them per reason and the other requests run as usual."""
+    from bench.traces import Trace, sort_requests
+
+    base = synthetic(SPEC).requests
+    too_big = []
+    for tokens, tag in ((3400, "kv"), (5000, "ctx")):
+        spec = SyntheticSpec(
+            groups=1, users=1, system_tokens=tokens, question_tokens=16, output_tokens=8,
+            rate=40.0, num_requests=2, block_size=16, seed=9,
+        )  # fmt: skip
+        for r in synthetic(spec).requests:
+            r.request_id = f"{tag}-{r.request_id}"
+            too_big.append(r)
+    trace = Trace(sort_requests(base + too_big), "test", "synthetic")
+    for share in (None, ShareModel.parse("all", 0.1)):
+        out = simulate_policy(
+            trace,
+            PolicySpec.parse("kv_aware"),
+            FLEET,
+            replicas=1 if share is None else 2,
+            share=share,
+        )
+        assert out["requests"] == 84 and out["completed"] == 80
+        assert out["failed"] == 4
+        assert out["failed_by_reason"] == {"context_length": 2, "exceeds_kv_cache": 2}
+        assert out["goodput"]["fraction"] <= 80 / 84

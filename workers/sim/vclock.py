@@ -70,6 +70,9 @@ class RequestResult:
     preempted: int = 0
     finish_reason: str | None = None
     itl: list[float] = field(default_factory=list)  # gaps between consecutive token deliveries
+    # Refused at admission as vLLM's front end refuses it (a 400): `rejection_reason` of the
+    # engine's message. Such a request never ran: no first token, no completion.
+    rejected: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -92,6 +95,15 @@ class SimulationResult:
         """Fleet prefix-cache hit rate in prompt tokens (cached / prompt), vLLM's definition."""
         prompt = sum(r.prompt_tokens for r in self.results)
         return sum(r.cached_tokens for r in self.results) / prompt if prompt else 0.0
+
+
+def rejection_reason(message: str) -> str:
+    """A short name for why the engine refused a request (its 400's message)."""
+    if "maximum context length" in message:
+        return "context_length"
+    if "KV cache" in message:
+        return "exceeds_kv_cache"
+    return "invalid_request"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -156,11 +168,19 @@ class VirtualFleet:
             if not 0 <= w < n:
                 raise ValueError(f"router chose worker {w} of {n}")
             req = a.request
-            engines[w].add_request(req, now)
             res = RequestResult(
                 req.request_id, w, now, a.tag, prompt_tokens=len(req.prompt_token_ids)
             )
             self._results.append(res)
+            try:
+                engines[w].add_request(req, now)
+            except ValueError as e:  # what vLLM answers with a 400: counted, and the replay goes on
+                res.rejected = rejection_reason(str(e))
+                res.prompt_tokens = 0  # never prefilled: not part of the hit rate's denominator
+                on_reject = getattr(self.route, "rejected", None)
+                if on_reject is not None:
+                    on_reject(req.request_id, now)
+                continue
             self._live[req.request_id] = res
             self._in_flight[w] += 1
             self._sent[w] += 1
