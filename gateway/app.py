@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import hmac
@@ -34,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.admission import AdmissionController, AdmissionSettings
 from gateway.autoscale import (
     AutoscaleCollector,
+    AutoscaleSettings,
     DesiredWorkers,
     InFlight,
     fleet_loads,
@@ -48,8 +48,10 @@ from gateway.config import (
     RoutingSettings,
     Settings,
     TokenModeSettings,
+    WeightsSettings,
     WorkerSettings,
     load_settings,
+    to_core,
 )
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
@@ -112,14 +114,31 @@ def _spec(w: WorkerSettings) -> WorkerSpec:
     )
 
 
+# [admission] fields the gateway reads itself (slots and the priority reserve, `_worker_room`),
+# not the queue core.
+_ADMISSION_GATEWAY_ONLY = ("worker_concurrency", "priority_reserve", "reserve_min_priority")
+# [probes] fields the prober reads (schedule, deep probes), not the registry's health machine.
+_PROBES_PROBER_ONLY = ("interval_s", "timeout_s", "deep_every", "deep_timeout_s", "deep_model")
+
+
 def _admission(a: AdmissionConfig) -> AdmissionSettings:
-    names = {f.name for f in dataclasses.fields(AdmissionSettings)}
-    return AdmissionSettings(**{k: v for k, v in a.model_dump().items() if k in names})
+    return to_core(a, AdmissionSettings, gateway_only=_ADMISSION_GATEWAY_ONLY)
+
+
+def _weights(w: WeightsSettings) -> Weights:
+    return to_core(w, Weights)
 
 
 def _registry_knobs(p: ProbeSettings) -> dict[str, Any]:
-    """The [probes] settings the registry takes (health, breaker, outliers)."""
-    return {k: getattr(p, k) for k in Registry.KNOBS if k in ProbeSettings.model_fields}
+    """The [probes] settings the registry takes (health, breaker, outliers): every one of its
+    knobs must be a [probes] field, and every [probes] field a knob or the prober's."""
+    missing = Registry.KNOBS - set(ProbeSettings.model_fields)
+    unknown = set(ProbeSettings.model_fields) - Registry.KNOBS - set(_PROBES_PROBER_ONLY)
+    if missing or unknown:
+        raise TypeError(
+            f"[probes] vs Registry.KNOBS: missing {sorted(missing)}, unused {sorted(unknown)}"
+        )
+    return {k: getattr(p, k) for k in Registry.KNOBS}
 
 
 def _precise_index(k: KVEventSettings) -> PreciseIndex:
@@ -182,7 +201,7 @@ class Gateway:
                 metrics=self.metrics.registry,
                 state=self.routing_state,
             )
-        self.autoscale = DesiredWorkers()
+        self.autoscale = DesiredWorkers(to_core(settings.autoscale, AutoscaleSettings))
         self.metrics.registry.register(
             AutoscaleCollector(
                 self.autoscale, functools.partial(fleet_loads, self.registry, self.admission)
@@ -204,7 +223,7 @@ class Gateway:
     def _make_policy(self, r: RoutingSettings) -> Policy:
         return make_policy(
             r.policy,
-            weights=Weights(**r.weights.model_dump()),
+            weights=_weights(r.weights),
             options=self.routing_options,
             state=self.routing_state,
         )
@@ -335,6 +354,8 @@ class Gateway:
                 log.warning("[%s] changed: takes effect after a restart", section)
         if new.quota != old.quota:
             log.warning("[quota] changed: takes effect after a restart")
+        if new.autoscale != old.autoscale:
+            self.autoscale.configure(to_core(new.autoscale, AutoscaleSettings))
         if new.cluster != old.cluster:
             if any(
                 getattr(old.cluster, k) != getattr(new.cluster, k)
@@ -350,7 +371,7 @@ class Gateway:
         if r.policy != old.routing.policy or r.options != old.routing.options:
             self.policy = self._make_policy(r)  # same RoutingState: the index survives
         elif r.weights != old.routing.weights:
-            self.policy.set_weights(Weights(**r.weights.model_dump()))
+            self.policy.set_weights(_weights(r.weights))
         if r.kv_events != old.routing.kv_events:
             k = r.kv_events
             p_ = self.precise

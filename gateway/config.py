@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gateway.autoscale import AutoscaleSettings as AutoscaleCore
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("kvgate.config")
 
@@ -133,14 +138,25 @@ class ProbeSettings(_Section):
     breaker_window: int = Field(20, ge=0)
     breaker_error_rate: float = Field(0.5, ge=0, le=1)
     breaker_min_requests: int = Field(10, ge=1)
-    # TTFT outlier ejection: eject a worker whose median TTFT (last 50 streams) is above
-    # outlier_factor x its peers' median AND above outlier_min_s, with outlier_min_samples each;
-    # at most outlier_max_fraction of a group out at once. Conservative: prefix-cache hits make
-    # TTFT vary a lot between healthy workers. 0 = off.
+    # TTFT outlier ejection: eject a worker whose median TTFT (last outlier_window streams) is
+    # above outlier_factor x its peers' median AND above outlier_min_s, with outlier_min_samples
+    # each; at most outlier_max_fraction of a group out at once; compared every outlier_check_s.
+    # Conservative: prefix-cache hits make TTFT vary a lot between healthy workers. 0 = off.
     outlier_factor: float = Field(3.0, ge=0)
     outlier_min_s: float = Field(1.0, ge=0)
-    outlier_min_samples: int = Field(20, ge=1, le=50)
+    outlier_min_samples: int = Field(20, ge=1)
     outlier_max_fraction: float = Field(0.34, ge=0, le=0.5)
+    outlier_window: int = Field(50, ge=1, le=1000)
+    outlier_check_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _outlier_samples_fit_the_window(self) -> ProbeSettings:
+        if self.outlier_min_samples > self.outlier_window:
+            raise ValueError(
+                "probes.outlier_min_samples must be <= outlier_window (a worker never has more "
+                "samples than the window keeps)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _breaker_can_trip(self) -> ProbeSettings:
@@ -421,6 +437,60 @@ class ClusterSettings(_Section):
         return self
 
 
+class AutoscaleSettings(_Section):
+    """Targets and bounds of `kvgate_autoscale_desired_workers` (gateway/autoscale.py explains
+    the formula); checked by the formula's own settings (`gateway.autoscale.AutoscaleSettings`),
+    so the rules live in one place."""
+
+    # Targets: a ratio of 1.0 means "at target"; above it, scale out.
+    target_ttft_p95_s: float = 2.0
+    target_queue_wait_p95_s: float = 1.0
+    target_kv_usage: float = 0.8
+    max_queue_per_worker: int = 4
+    # Bounds on the answer.
+    min_workers: int = 1
+    max_workers: int = 64
+    # Largest growth of one evaluation, relative to the healthy workers (2.0 = at most double).
+    max_scale_out_factor: float = 2.0
+    # Scale in only while every ratio is below this (and the admission queue is empty) ...
+    scale_in_below: float = 0.5
+    # ... for this long, by this many workers, and only if the rest stay below this ratio.
+    scale_in_cooldown_s: float = 300.0
+    scale_in_step: int = 1
+    scale_in_max_projected: float = 0.8
+    # Percentile window and its resolution; p95s with fewer samples do not drive the formula.
+    window_s: float = 60.0
+    slot_s: float = 1.0
+    min_samples: int = 10
+    # A request whose end was never reported stops counting as in flight after this long.
+    in_flight_max_age_s: float = 3600.0
+
+    @model_validator(mode="after")
+    def _the_formula_accepts_them(self) -> AutoscaleSettings:
+        to_core(self, AutoscaleCore)  # its __post_init__ raises ValueError with the rule broken
+        return self
+
+
+def to_core(section: BaseModel, cls: type[_T], *, gateway_only: Collection[str] = ()) -> _T:
+    """The pure core's settings dataclass from a config section, field for field.
+
+    Sections and cores are declared apart (the core stays importable without pydantic, and the
+    section carries the ops-facing comments), so this fails loudly, at start and in the tests,
+    when they drift: a core field the section lacks would silently keep its default, and a
+    section field the core does not take (unless named in ``gateway_only``: read by the gateway
+    itself) would be a knob that does nothing.
+    """
+    core = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    have = set(type(section).model_fields)
+    missing, unknown = core - have, have - core - set(gateway_only)
+    if missing or unknown:
+        raise TypeError(
+            f"{type(section).__name__} -> {cls.__name__}: fields missing from the section "
+            f"{sorted(missing)}, section fields the core does not take {sorted(unknown)}"
+        )
+    return cls(**{n: getattr(section, n) for n in core})
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -439,6 +509,7 @@ class Settings(BaseSettings):
     quota: QuotaSettings = QuotaSettings()
     admission: AdmissionSettings = AdmissionSettings()
     cluster: ClusterSettings = ClusterSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @classmethod
