@@ -24,8 +24,10 @@ import bisect
 import itertools
 import math
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from bench.specs import parse_spec
 
 PREFIX = "conversation"
 
@@ -61,16 +63,7 @@ class ConversationSpec:
     @classmethod
     def parse(cls, text: str) -> ConversationSpec:
         """`conversation:sessions=100,think_s=5` -> a spec (unknown keys fail loudly)."""
-        body = text.split(":", 1)[1] if ":" in text else ""
-        known = {f.name: f for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in body.split(","))):
-            k, _, v = part.partition("=")
-            k = k.strip().replace("-", "_")
-            if k not in known:
-                raise ValueError(f"unknown conversation parameter {k!r}; known: {sorted(known)}")
-            kw[k] = type(getattr(cls(), k))(v.strip())
-        spec = cls(**kw)
+        spec = parse_spec(cls, text, "conversation")
         if spec.sessions < 1 or spec.max_turns < 1 or spec.block_size < 1:
             raise ValueError("sessions, max_turns and block_size must be >= 1")
         if spec.session_rate <= 0 or spec.system_prompts < 1:

@@ -54,6 +54,7 @@ import xxhash
 
 from bench.conversations import PREFIX as CONVERSATION
 from bench.conversations import ConversationSpec, conversation
+from bench.specs import parse_spec
 
 MOONCAKE_BLOCK_TOKENS = 512
 TOKEN_LOW, TOKEN_HIGH = 1000, 50000  # below 1000 are the sim tokenizer's words/generated ids
@@ -549,17 +550,7 @@ class SyntheticSpec:
     @classmethod
     def parse(cls, text: str) -> SyntheticSpec:
         """`synthetic:groups=8,users=4,rate=5` -> a spec (unknown keys fail loudly)."""
-        body = text.split(":", 1)[1] if ":" in text else ""
-        kw: dict[str, Any] = {}
-        known = cls.__dataclass_fields__
-        for part in filter(None, (p.strip() for p in body.split(","))):
-            k, _, v = part.partition("=")
-            k = k.strip().replace("-", "_")
-            if k not in known:
-                raise ValueError(f"unknown synthetic parameter {k!r}; known: {sorted(known)}")
-            typ = type(getattr(cls(), k))
-            kw[k] = v.strip().lower() in ("1", "true", "yes") if typ is bool else typ(v)
-        return cls(**kw)
+        return parse_spec(cls, text, "synthetic")
 
 
 def synthetic(spec: SyntheticSpec) -> Trace:
