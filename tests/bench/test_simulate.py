@@ -290,3 +290,28 @@ def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() ->
         assert out["failed"] == 4
         assert out["failed_by_reason"] == {"context_length": 2, "exceeds_kv_cache": 2}
         assert out["goodput"]["fraction"] <= 80 / 84
+
+
+def test_several_seeds_report_medians_and_the_spread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import statistics
+
+    out = tmp_path / "r.json"
+    argv = ["--trace", SYNTH, "--workers", "3", "--num-blocks", "200", "--max-model-len", "4096"]
+    argv += ["--policies", "kv_aware", "--json", str(out), "--quiet", "--jobs", "1"]
+    assert main([*argv, "--seeds", "3", "--seed", "4"]) == 0
+    r = json.loads(out.read_text())
+    assert r["seeds"] == [4, 5, 6]
+    (p,) = r["policies"]
+    per = p["per_seed"]
+    assert [x["seed"] for x in per] == [4, 5, 6] and p["seeds"] == 3
+    p99s = [x["ttft_p99"] for x in per]
+    assert p["ttft"]["p99"] == statistics.median(p99s)
+    assert p["spread"]["ttft_p99"] == [min(p99s), max(p99s)]
+    assert p["hit_rate"] == statistics.median(x["hit_rate"] for x in per)
+    assert "over 3 seeds" in capsys.readouterr().out
+    # Each seed alone gives that seed's row.
+    assert main([*argv, "--seed", "5"]) == 0
+    one = json.loads(out.read_text())["policies"][0]
+    assert one["ttft"]["p99"] == per[1]["ttft_p99"] and "spread" not in one
