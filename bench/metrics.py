@@ -15,15 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from workers.sim.vclock import nearest_rank
+
 QUANTILES: tuple[int, ...] = (50, 90, 95, 99)
-
-
-def nearest_rank(ordered: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values (q in 0..100); NaN when empty."""
-    if not ordered:
-        return math.nan
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 def dist(values: Sequence[float]) -> dict[str, float | None]:

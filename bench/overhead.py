@@ -59,7 +59,6 @@ import platform
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -88,12 +87,6 @@ from bench.peers import HOST, Proc, free_ports, start, wait_for, warm
 MODEL = "sim-llama"
 CLASSIC_LEVELS = "1,16,100"
 PROMPT = ("The quick brown fox jumps over the lazy dog while the cache warms up. " * 60)[:4000]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pin(cores: set[int]):  # type: ignore[no-untyped-def]
@@ -136,7 +129,7 @@ def _proc(cmd: list[str], cores: set[int]):  # type: ignore[no-untyped-def]
 
 @contextlib.contextmanager
 def gateway(worker_url: str, client: str, core: int, extra: str = "", policy: str = "least_loaded"):  # type: ignore[no-untyped-def]
-    port = _free_port()
+    port = free_ports(1)
     cfg = (
         extra
         + f"""
@@ -261,7 +254,7 @@ def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dic
             "max_concurrent = 100000\n"
         )
         if mode == "redis":
-            redis = RedisServer(_free_port())
+            redis = RedisServer(free_ports(1))
             redis.start()
             extra += f'[quota]\nbackend = "redis"\nredis_url = "{redis.url}"\n'
     try:
@@ -286,7 +279,7 @@ def classic(args: argparse.Namespace, con: Console) -> int:
     policy = args.policy or "least_loaded"
     ncpu = os.cpu_count() or 1
     gw_core, other = ncpu - 1, set(range(max(1, ncpu - 1)))
-    port = _free_port()
+    port = free_ports(1)
     results: dict[str, object] = {
         "machine": f"{platform.machine()} {ncpu} cpu, Python {platform.python_version()}",
         "setup": f"sim worker (instant profile) + load generator on cores {sorted(other)}, "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from bench.metrics import nearest_rank
 from gateway.quota import ModelLimits, QuotaStore, Reservation, TenantLimits
 from gateway.quota_memory import MemoryQuotaStore
 from gateway.quota_redis import RedisQuotaStore
@@ -68,8 +69,8 @@ def one_core() -> Iterator[None]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    """q in 0..1, nearest rank (bench.metrics: the one percentile definition)."""
+    return nearest_rank(sorted(xs), q * 100)
 
 
 async def one_cycle(store: QuotaStore, i: int) -> float:

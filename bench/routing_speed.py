@@ -40,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from bench.metrics import nearest_rank
 from scoring.policy import RoutingOptions, WorkerView, make_policy, route_request
 
 CHARS_PER_TOKEN = 4
@@ -92,8 +93,8 @@ def _fleet(rng: random.Random, n: int) -> list[WorkerView]:
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    """q in 0..1, nearest rank (bench.metrics: the one percentile definition)."""
+    return nearest_rank(sorted(xs), q * 100)
 
 
 def run_cell(

@@ -42,6 +42,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bench.metrics import nearest_rank
+from bench.peers import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -73,10 +76,8 @@ class LevelResult:
         return self.requests * self.max_tokens / self.window_s
 
     def pct(self, values: list[float], q: float) -> float:
-        if not values:
-            return float("nan")
-        s = sorted(values)
-        return s[min(len(s) - 1, int(q * len(s)))]
+        """q in 0..1, nearest rank (bench.metrics: the one percentile definition)."""
+        return nearest_rank(sorted(values), q * 100)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,29 +202,6 @@ def _client_main(
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port_block(n: int) -> int:
-    """A base port with n free consecutive ports after it (best effort, checked by binding)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind((HOST, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError("no block of free ports found")
-
-
 def _proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
@@ -251,7 +229,7 @@ def run_level(
     sim_core: int,
     client_cores: list[int],
 ) -> LevelResult:
-    base = _free_port_block(n)
+    base = free_ports(n)
     ports = list(range(base, base + n))
     cmd = [
         sys.executable,

@@ -57,7 +57,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -84,6 +83,7 @@ from rich.table import Table
 
 from bench.metrics import dist, machine
 from bench.paths import out_path
+from bench.peers import free_ports
 
 MODEL = "sim-llama"
 CHAT_PATH = "/v1/chat/completions"
@@ -191,27 +191,6 @@ def gateway_toml(
 
 
 # -- processes ------------------------------------------------------------------------------------
-def free_ports(n: int) -> int:
-    """First of `n` consecutive free ports on 127.0.0.1 (the sim binds consecutive ports)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base + 1, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free consecutive ports on 127.0.0.1")
-
-
 def core_plan(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     """(gateway cores, everything else): the gateway gets the last core to itself."""
     if not pin or not hasattr(os, "sched_setaffinity"):

@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bench.peers import free_ports
 from workers.sim.cli import _configure, build_configs
 from workers.sim.engine import Engine, EngineConfig, KVEvent, SimRequest
 from workers.sim.kv_publisher import END_SEQ, encode_batch
@@ -446,28 +446,6 @@ def test_cli_kv_event_ports_are_two_per_worker() -> None:
     build_configs(_parse("--port", "7000", "--workers", "2", "--kv-events-port", "6996"))
 
 
-def _free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it (best effort; retried by the caller)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-        return base
-    raise AssertionError("no block of free ports")
-
-
 def _popen_cli(base: int) -> subprocess.Popen[bytes]:
     """HTTP on `base`, KV events on base+1 and replay on base+2."""
     args = ["--port", str(base), "--profile", "fast", "--kv-events-port", str(base + 1)]
@@ -502,7 +480,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def test_cli_publishes_and_a_restart_starts_again_at_seq_0(client: httpx.AsyncClient) -> None:
-    base = _free_ports(3)
+    base = free_ports(3)
     for attempt in range(2):  # the crashed process is started again on the very same ports
         proc, url = await _start_cli(client, base)
         try:

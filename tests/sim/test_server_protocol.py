@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.peers import free_ports
 from workers.sim.testing import SimFleet, run_sim_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -734,12 +734,6 @@ async def test_fault_close_after_tokens(client: httpx.AsyncClient, sim_url: str)
     assert ok.status_code == 200, "the worker keeps serving after an injected close"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _popen_cli(port: int, args: tuple[str, ...]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "workers.sim.cli", "--port", str(port), "--profile", "fast", *args],
@@ -753,7 +747,7 @@ def _popen_cli(port: int, args: tuple[str, ...]) -> subprocess.Popen[bytes]:
 async def _start_cli(client: httpx.AsyncClient, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     """Start `python -m workers.sim.cli` on a free port block, retrying if a port got taken."""
     for _ in range(5):
-        port = _free_port()
+        port = free_ports(1)
         proc = _popen_cli(port, args)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30

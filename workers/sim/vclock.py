@@ -106,13 +106,18 @@ def rejection_reason(message: str) -> str:
     return "invalid_request"
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values. Small and dependency-free."""
-    if not values:
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (q in 0..100); NaN when empty. The one
+    percentile definition of the simulator and every bench tool (`bench.metrics`)."""
+    if not ordered:
         return math.nan
-    ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
     return ordered[min(rank, len(ordered)) - 1]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of unsorted values; NaN for no values."""
+    return nearest_rank(sorted(values), q)
 
 
 class VirtualFleet:
