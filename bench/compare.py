@@ -525,13 +525,22 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
 # ==================================================================================================
 
 
+def rate_time_scale(trace: Trace, rate: float) -> float:
+    """The time scale that replays `trace` at `rate` requests/s on average (its arrivals keep
+    their shape: bursts stay bursts, only the clock runs faster or slower)."""
+    n, span = len(trace.requests), trace.duration_s
+    if n < 2 or span <= 0:
+        return 1.0
+    return ((n - 1) / span) / rate
+
+
 def prepare(args: argparse.Namespace) -> Trace:
     trace = load_trace(args.trace, args.format)
     if args.limit:
         trace = head(trace, args.limit)
     if args.sample:
         trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
-    trace = scale_time(trace, args.time_scale)
+    trace = scale_time(trace, rate_time_scale(trace, args.rate) if args.rate else args.time_scale)
     if args.max_output:
         trace = cap_output(trace, args.max_output)
     return trace
@@ -562,7 +571,7 @@ def predict(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
     g = p.add_argument_group("trace")
     g.add_argument("--trace", default=str(DEFAULT_TRACE))
@@ -571,6 +580,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--sample", type=float, default=0.05, help="fraction (<=1) or count (>1)")
     g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
     g.add_argument("--time-scale", type=float, default=0.045, help="x trace times")
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="replay the (sampled) trace at this mean req/s instead of --time-scale, keeping "
+        "its arrival pattern",
+    )
     g.add_argument("--max-output", type=int, default=256, help="cap output tokens (0 = no cap)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("fleet")
@@ -632,9 +648,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-predict", action="store_true")
     g.add_argument("--out", type=Path, default=out_path("compare"), help="%(default)s")
     g.add_argument("--wide", action="store_true", help="print every column (compare.md has all)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.gateways < 1:
         p.error("--gateways must be >= 1")
+    if args.rate is not None and not args.rate > 0:
+        p.error("--rate must be > 0 (requests per second)")
     if args.predict_share is None:
         args.predict_share = "none" if args.no_cluster else "all"
     try:

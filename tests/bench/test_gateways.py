@@ -166,3 +166,16 @@ def test_two_gateway_processes_share_one_redis_and_split_the_replay(tmp_path: Pa
     per = res["per_url"]
     assert list(per) == bases and all(c["ok"] > 0 for c in per.values())
     assert sum(c["ok"] for c in per.values()) == 16
+
+
+def test_compare_rate_replays_the_sample_at_that_mean_rate() -> None:
+    from bench.compare import build_parser, prepare
+
+    args = build_parser().parse_args(["--sample", "0.05", "--rate", "3", "--peers", "none"])
+    trace = prepare(args)
+    n = len(trace.requests)
+    assert n > 50
+    assert (n - 1) / trace.duration_s == pytest.approx(3.0, rel=1e-6)
+    slow = prepare(build_parser().parse_args(["--sample", "0.05", "--rate", "0.5"]))
+    assert [r.request_id for r in slow.requests] == [r.request_id for r in trace.requests]
+    assert (n - 1) / slow.duration_s == pytest.approx(0.5, rel=1e-6)
