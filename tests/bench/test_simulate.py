@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from bench.simulate import (
     simulate_policy,
     split_policies,
 )
-from bench.traces import SyntheticSpec, synthetic
+from bench.traces import SyntheticSpec, Trace, synthetic
 
 SPEC = SyntheticSpec(
     groups=4, users=2, system_tokens=512, question_tokens=64, output_tokens=8,
@@ -57,16 +58,22 @@ def test_cache_aware_routing_beats_round_robin_on_shared_prefixes() -> None:
         assert d["p50"] <= d["p90"] <= d["p95"] <= d["p99"] <= d["max"]
 
 
-def test_prefill_bookkeeping_returns_to_zero() -> None:
-    trace = synthetic(SPEC)
-    router = PolicyRouter(
+def kv_aware_router(trace: Trace, **replicas: Any) -> PolicyRouter:
+    """kv_aware over FLEET on trace block keys (what the bookkeeping tests drive by hand)."""
+    return PolicyRouter(
         PolicySpec.parse("kv_aware"),
         {r.request_id: r for r in trace.requests},
         FLEET.workers,
         seed=0,
         keys="trace",
         trace_block=16,
+        **replicas,
     )
+
+
+def test_prefill_bookkeeping_returns_to_zero() -> None:
+    trace = synthetic(SPEC)
+    router = kv_aware_router(trace)
     seen: list[int] = []
     inner = router.__call__
 
@@ -87,16 +94,7 @@ def test_every_replica_s_counts_return_to_zero(share: str) -> None:
     # Each replica counts its own requests (and, shared, the others' once delivered): after the
     # last completion has reached everyone, nobody counts anything anywhere.
     trace = synthetic(SPEC)
-    router = PolicyRouter(
-        PolicySpec.parse("kv_aware"),
-        {r.request_id: r for r in trace.requests},
-        FLEET.workers,
-        seed=0,
-        keys="trace",
-        trace_block=16,
-        replicas=3,
-        share=ShareModel.parse(share, 0.1),
-    )
+    router = kv_aware_router(trace, replicas=3, share=ShareModel.parse(share, 0.1))
     peak: list[int] = []
     inner = router.__call__
 
