@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,18 +259,19 @@ class Proxy:
 
     async def _first_chunk(
         self, resp: UpstreamResponse, timeout: float
-    ) -> tuple[Any, bytes] | None:
-        it = resp.chunks()
+    ) -> tuple[Callable[[], Awaitable[bytes]], bytes] | None:
+        """The first body bytes, and how to read the next ones (b"" at the end)."""
+        nxt = _reader(resp)
         try:
             async with asyncio.timeout(max(timeout, 0.0)):
-                first = await anext(it, b"")
+                first = await nxt()
         except BaseException:
             await resp.abort()
             raise
         if not first:
             await resp.abort()
             return None
-        return it, first
+        return nxt, first
 
     async def _whole(
         self,
@@ -436,7 +437,7 @@ class RelayResponse(Response):
         call: Call,
         worker: Worker,
         resp: UpstreamResponse,
-        first: tuple[AsyncIterator[bytes], bytes],
+        first: tuple[Callable[[], Awaitable[bytes]], bytes],
         headers: dict[str, str],
         timeouts: TimeoutSettings,
         deadline: float,
@@ -448,7 +449,7 @@ class RelayResponse(Response):
         self._call = call
         self._worker = worker
         self._resp = resp
-        self._it, self._first = first
+        self._next, self._first = first
         self._t = timeouts
         self._deadline = deadline
         self._done = False
@@ -469,6 +470,13 @@ class RelayResponse(Response):
         self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
         self._acked = -1  # bytes the client had acked at the last stall check
         self._progress_at = 0.0  # perf_counter of the last stall check that saw progress
+        # What the byte scan (`_feed`) keeps between chunks.
+        self._pending = b""  # an event not yet complete
+        self._out: list[bytes] = []  # complete events not yet written to the client
+        self._strip = not call.client_wants_usage
+        self._inter: BatchedHistogram | None = None
+        self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
+        self._ended = False  # the client has its whole response (the final chunk is out)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self._call
@@ -502,11 +510,12 @@ class RelayResponse(Response):
                 self._client_stalled(call)
             elif self.cut is not None and not gone:
                 me.uncancel()
-                call.outcome = "gateway_shutdown"
-                self._proxy.metrics.stream_errors.labels("gateway_shutdown").inc()
-                with contextlib.suppress(OSError):
-                    await self._send(send, sse_error_event(self.cut, "server_error", 503))
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if not self._ended:  # else [DONE] is out: only the upstream's tail was left
+                    call.outcome = "gateway_shutdown"
+                    self._proxy.metrics.stream_errors.labels("gateway_shutdown").inc()
+                    with contextlib.suppress(OSError):
+                        await self._send(send, sse_error_event(self.cut, "server_error", 503))
+                        await self._end(send)
             elif not gone:
                 raise
             else:
@@ -559,41 +568,46 @@ class RelayResponse(Response):
         await self._proxy.finish(call)
 
     async def _pump(self, send: Send) -> None:
+        """Relay until [DONE]: settle, then end the response with it and read the worker's
+        stream to its end (so its connection can be reused).
+
+        With kvgate's own upstream client under uvicorn, chunks are spliced: the upstream
+        connection's ``data_received`` scans them (`_on_chunk`) and writes complete events to the
+        client's transport itself, and this task sleeps until [DONE], the end, an error or a
+        client that cannot take more (then it sends the backlog with flow control, as the
+        generic path does for every chunk). That removes a task wake-up, an async iterator step
+        and an ASGI message per chunk: most of the relay's cost per SSE event.
+        """
         call = self._call
-        strip_usage = not call.client_wants_usage
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        pending = b""
-        chunk = self._first
         m = self._proxy.metrics
-        inter_event = BatchedHistogram(m.child(m.inter_event, call.model))
-        last = time.perf_counter()
+        self._inter = BatchedHistogram(m.child(m.inter_event, call.model))
+        self._last_chunk = time.perf_counter()
+        splice = getattr(self._resp, "splice", None)
+        if splice is not None:
+            self._cycle = _direct_cycle(send)
+            if self._cycle is None:
+                splice = None
         try:
+            self._feed(self._first)
+            ended = False
             while True:
-                data = pending + chunk if pending else chunk
-                cut = data.rfind(b"\n\n") + 2
-                if cut >= 2:
-                    out, pending = data[:cut], data[cut:]
-                    if _USAGE_MARK in out:
-                        out = self._take_usage(out, strip_usage)
-                    call.events += out.count(b"\n\n")
-                    if out.endswith(_DONE):
-                        self._done = True
-                        # Everything is settled before the client sees the end: a client that
-                        # starts its next request on [DONE] must find its concurrency lease and
-                        # the worker's slot already free (else a false 429 at max_concurrent).
-                        if len(out) > len(_DONE):
-                            await self._send(send, out[: -len(_DONE)])
-                        await self._settle_before_done()
-                        out = _DONE
-                    if out:
-                        await self._send(send, out)
-                else:
-                    pending = data
+                if self._out:
+                    await self._flush(send)
+                if self._done or ended:
+                    break
                 if time.perf_counter() > self._deadline:
                     raise TimeoutError
                 self._awaiting_worker = True
                 try:
-                    chunk = await anext(self._it, b"")
+                    if splice is not None:
+                        ended = await splice(self._on_chunk)
+                    else:
+                        chunk = await self._next()
+                        if chunk:
+                            self._took(chunk)
+                        else:
+                            ended = True
                 except asyncio.CancelledError:
                     if not self._idle_cut:
                         raise
@@ -602,16 +616,9 @@ class RelayResponse(Response):
                     raise TimeoutError from None
                 finally:
                     self._awaiting_worker = False
-                if not chunk:
-                    break
-                now = self._last_chunk = time.perf_counter()
-                inter_event.observe(now - last)
-                last = now
-            if pending:
-                await self._send(send, pending)
-            if self._done:
-                call.outcome = "ok"
-            else:
+            if not self._done:
+                if self._pending:
+                    await self._send(send, self._pending)
                 raise UpstreamStreamError("worker closed the stream without [DONE]")
         except (UpstreamStreamError, TimeoutError) as e:
             reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
@@ -623,21 +630,105 @@ class RelayResponse(Response):
             log.warning(
                 "request %s on %s: %s (%s)", call.request_id, call.worker, reason, e or type(e)
             )
+            if self._out:  # complete events the client had no room for yet
+                await self._flush(send)
             # An event may have been cut in half; end it before the error event.
-            tail = b"\n\n" if pending else b""
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": tail
-                    + sse_error_event(
-                        msg, "upstream_error", 504 if reason == "idle_timeout" else 502
-                    ),
-                    "more_body": True,
-                }
+            tail = b"\n\n" if self._pending else b""
+            await self._send(
+                send,
+                tail
+                + sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502),
             )
+            await self._end(send)
+            return
         finally:
-            inter_event.flush()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self._inter.flush()
+        # Everything is settled before the client sees the end: a client that starts its next
+        # request on [DONE] must find its concurrency lease and the worker's slot already free
+        # (else a false 429 at max_concurrent).
+        await self._settle_before_done()
+        call.outcome = "ok"
+        await self._end(send, _DONE)
+        await self._drain_upstream(ended)
+
+    async def _drain_upstream(self, ended: bool) -> None:
+        """After [DONE]: read the worker's stream to its end (its terminating chunk usually came
+        with [DONE]) so the connection goes back to the pool; bounded like any read."""
+        self._awaiting_worker = True
+        try:
+            while not ended:
+                ended = not await self._next()
+        except asyncio.CancelledError:
+            if not self._idle_cut:
+                raise
+            self._idle_cut = False
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self._done = False  # not read to the end: the connection is closed, not reused
+        except UpstreamStreamError:
+            self._done = False
+        finally:
+            self._awaiting_worker = False
+
+    def _took(self, chunk: bytes) -> None:
+        prev = self._last_chunk
+        self._last_chunk = now = time.perf_counter()
+        assert self._inter is not None
+        self._inter.observe(now - prev)
+        self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> None:
+        """Scan one chunk from the worker: complete events go to ``_out``; [DONE] ends it."""
+        if self._done:
+            return  # nothing after [DONE] reaches the client
+        data = self._pending + chunk if self._pending else chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._pending = data
+            return
+        out, self._pending = data[:cut], data[cut:]
+        if _USAGE_MARK in out:
+            out = self._take_usage(out, self._strip)
+        self._call.events += out.count(b"\n\n")
+        if out.endswith(_DONE):
+            self._done = True
+            out = out[: -len(_DONE)]
+        if out:
+            self._out.append(out)
+
+    def _on_chunk(self, chunk: bytes) -> bool:
+        """The splice's sink, called from the upstream connection's ``data_received``: scan,
+        write to the client if it can take it, and say whether the task may keep sleeping."""
+        self._took(chunk)
+        if self._out and not self._write_now():
+            return False
+        return not self._done and self._last_chunk <= self._deadline
+
+    def _write_now(self) -> bool:
+        """Write the backlog as one chunk straight to the client's transport, as uvicorn's send
+        would frame it; False when the client is not taking data (flow control, gone)."""
+        cy = self._cycle
+        if cy.flow.write_paused or cy.disconnected:
+            return False
+        out = self._out
+        body = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        cy.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    async def _flush(self, send: Send) -> None:
+        if self._cycle is not None and self._write_now():
+            return
+        out = self._out
+        body = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        await self._send(send, body)
+
+    async def _end(self, send: Send, body: bytes = b"") -> None:
+        """The response's last chunk (with the terminator in the same write)."""
+        self._sending = time.perf_counter()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self._sending = 0.0
+        self._ended = True
 
     async def _send(self, send: Send, body: bytes) -> None:
         """Send, marking when: a stall check (``_check_stall``) cuts off a client that stops
@@ -730,3 +821,30 @@ def _upstream_error(status: int, body: bytes) -> APIError:
 
 def _now() -> float:
     return time.perf_counter()
+
+
+def _reader(resp: UpstreamResponse) -> Callable[[], Awaitable[bytes]]:
+    """A response's next-chunk call: its own where it has one (no async generator per stream),
+    else a step of ``chunks()``."""
+    nxt = getattr(resp, "next_chunk", None)
+    if nxt is not None:
+        return nxt  # type: ignore[no-any-return]
+    it = resp.chunks()
+    return lambda: anext(it, b"")
+
+
+def _direct_cycle(send: Send) -> Any:
+    """uvicorn's request cycle behind ``send`` when the relay may write body chunks to its
+    transport itself: a chunked response already started, the flow control and disconnect flags
+    it keeps. Any other server (or a wrapped ``send``) gets None: every chunk goes through
+    ``send``."""
+    cy = getattr(send, "__self__", None)
+    if (
+        getattr(cy, "chunked_encoding", None) is True
+        and getattr(cy, "response_started", False)
+        and hasattr(getattr(cy, "flow", None), "write_paused")
+        and hasattr(cy, "disconnected")
+        and getattr(cy, "transport", None) is not None
+    ):
+        return cy
+    return None

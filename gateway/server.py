@@ -495,7 +495,9 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, server: ServerSettings, guard: ConnectionGuard) -> uvicorn.Config:
     """The gateway's uvicorn settings: the guarded httptools protocol, no websockets (nothing
-    here serves them), no access log (the gateway logs each request itself)."""
+    here serves them), no access log (the gateway logs each request itself), no proxy-headers
+    middleware (it rewrote the client address from X-Forwarded-For on every request, and nothing
+    in the gateway reads the client address)."""
     return uvicorn.Config(
         app,
         host=server.host,
@@ -504,6 +506,7 @@ def uvicorn_config(app: Any, server: ServerSettings, guard: ConnectionGuard) -> 
         ws="none",
         log_config=None,
         access_log=False,
+        proxy_headers=False,
         lifespan="on",
         timeout_keep_alive=server.keepalive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=10,

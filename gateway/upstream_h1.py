@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -67,6 +67,9 @@ class _Conn(asyncio.Protocol):
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
+        # The relay's splice (`_Response.splice`): body chunks go to it from `data_received`; it
+        # returns False when it wants its task woken (see `RelayResponse._on_chunk`).
+        self.sink: Callable[[bytes], bool] | None = None
 
     def begin(self, loop: asyncio.AbstractEventLoop) -> None:
         self._reset()
@@ -101,6 +104,12 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            self.pulled += len(body)
+            if not sink(body):
+                self._wake()
+            return
         self.body.append(body)
         self.buffered += len(body)
         self.pulled += len(body)
@@ -185,16 +194,44 @@ class _Response:
         return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        while chunk := await self.next_chunk():
+            yield chunk
+
+    async def next_chunk(self) -> bytes:
+        """The next body bytes (all buffered so far), b"" at the end; no generator to close."""
         c = self._conn
         while True:
             if c.body:
-                yield c.take()
-                continue
+                return c.take()
             if c.done:
-                return
+                return b""
             if c.error is not None:
                 raise c.error
             await self._more()
+
+    async def splice(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hand body chunks to ``sink`` straight from ``data_received`` (no task wake-up per
+        chunk: the relay's per-event cost) until the sink returns False, the body ends or the
+        connection fails; True once the body is complete. Chunks buffered before are fed first.
+        """
+        c = self._conn
+        while c.body:
+            if not sink(c.take()):
+                return c.done
+        if c.done:
+            return True
+        if c.error is not None:
+            raise c.error
+        c.sink = sink
+        try:
+            await self._more()
+        finally:
+            c.sink = None
+        if c.done:
+            return True
+        if c.error is not None:
+            raise c.error
+        return False
 
     async def abort(self) -> None:
         if not self._settled:

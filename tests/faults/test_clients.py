@@ -11,7 +11,7 @@ import contextlib
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -94,6 +94,11 @@ class _TappedResponse:
         self.status = inner.status
         self.headers = inner.headers
         self.yielded = 0
+        self.spliced = 0  # times the relay attached its sink
+        # The relay's fast paths, counted too, where the inner response has them (h1).
+        if hasattr(inner, "splice"):
+            self.splice = self._splice
+            self.next_chunk = self._next_chunk
 
     async def read(self) -> bytes:
         return await self._inner.read()
@@ -102,6 +107,20 @@ class _TappedResponse:
         async for c in self._inner.chunks():
             self.yielded += len(c)
             yield c
+
+    async def _next_chunk(self) -> bytes:
+        c: bytes = await self._inner.next_chunk()
+        self.yielded += len(c)
+        return c
+
+    async def _splice(self, sink: Callable[[bytes], bool]) -> bool:
+        self.spliced += 1
+
+        def counted(c: bytes) -> bool:
+            self.yielded += len(c)
+            return sink(c)
+
+        return bool(await self._inner.splice(counted))
 
     async def abort(self) -> None:
         await self._inner.abort()
@@ -173,12 +192,33 @@ async def test_a_slow_reader_is_throttled_not_buffered_and_others_proceed() -> N
             statuses, took = await others
             assert statuses == [200] * 5 and took < 5, (statuses, took)
             pulled = tap.responses[0].pulled
+            if hasattr(tap.responses[0]._inner, "splice"):  # h1, the default client
+                assert tap.responses[0].spliced, "h1 responses are relayed by splicing"
             assert s.fleet.workers[0].engine.stats().generation_tokens > 10_000  # a big stream
             assert held < 1 << 20, f"gateway held {held} bytes for a client that read {got}"
             assert pulled < 2 << 20, f"gateway pulled {pulled} bytes for a client that read {got}"
             hang_up(sock, "close")
         await s.assert_quiescent()
         assert counter(s, "kvgate_client_disconnects_total") == disconnects + 1
+
+
+async def test_spliced_streams_end_whole_and_hand_the_worker_connection_back() -> None:
+    # [DONE] goes out with the response's terminator before the worker's stream is read to its
+    # end; the relay then finishes reading it, so the next stream reuses the same connection
+    # (whether the stream came in one read or was spliced: the worker's pace decides).
+    async with run_stack(1) as s:
+        assert s.gw.proxy is not None
+        tap = _Tap(s.gw.proxy.client)
+        s.gw.proxy.client = tap  # type: ignore[assignment]
+        req = http_request(CHAT, chat(stream=True, max_tokens=40), headers=AUTH)
+        for _ in range(3):
+            r = await raw_exchange(s.port, req)
+            assert r.status == 200
+            events = [e for e in r.body.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]" and len(events) >= 41, events
+        if hasattr(tap.inner, "open_connections"):  # h1, the default client
+            assert tap.inner.open_connections == 1
+        await s.assert_quiescent()
 
 
 async def test_a_stalled_reader_is_cut_off_at_the_total_deadline() -> None:

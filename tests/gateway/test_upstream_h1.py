@@ -123,6 +123,102 @@ async def test_chunked_stream_arrives_in_order_and_aborting_closes_the_connectio
         assert c.open_connections == 0
 
 
+def sse_chunks(events: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(ev), ev) for ev in events)
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+async def test_splice_hands_chunks_to_the_sink_in_order_and_the_connection_is_reused() -> None:
+    release = asyncio.Event()
+
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(SSE_HEAD + sse_chunks([b"data: 0\n\n", b"data: 1\n\n"]))
+            await w.drain()
+            await release.wait()  # the rest comes while the sink is attached
+            w.write(sse_chunks([b"data: 2\n\n", b"data: [DONE]\n\n"]) + b"0\r\n\r\n")
+            await w.drain()
+            release.clear()
+
+    async with server(h) as (url, accepted):
+        c = client()
+        for _ in range(2):
+            resp = await c.post(url, b"{}", {})
+            got: list[bytes] = []
+
+            def sink(b: bytes, got: list[bytes] = got) -> bool:
+                got.append(b)
+                return True
+
+            first = await resp.next_chunk()  # type: ignore[attr-defined]
+            while first.count(b"\n\n") < 2:
+                first += await resp.next_chunk()  # type: ignore[attr-defined]
+            release.set()
+            assert await resp.splice(sink) is True  # type: ignore[attr-defined]
+            assert first + b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            await resp.release()
+        assert len(accepted) == 1 and c.open_connections == 1
+        await c.close()
+
+
+async def test_a_sink_that_says_stop_wakes_its_caller_and_the_rest_waits_buffered() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(SSE_HEAD + sse_chunks([b"data: a\n\n"]))
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(sse_chunks([b"data: b\n\n"]))
+        await w.drain()
+        await asyncio.sleep(0.05)
+        w.write(sse_chunks([b"data: c\n\n"]) + b"0\r\n\r\n")
+        await w.drain()
+        await r.read()
+
+    async with server(h) as (url, _):
+        c = client()
+        resp = await c.post(url, b"{}", {})
+        got: list[bytes] = []
+
+        def stop(b: bytes) -> bool:
+            got.append(b)
+            return False
+
+        while not got:
+            assert await resp.splice(stop) is False  # type: ignore[attr-defined]
+        # Detached: what comes next is buffered for the next read, not lost.
+        rest = b""
+        while chunk := await resp.next_chunk():  # type: ignore[attr-defined]
+            rest += chunk
+        assert b"".join(got) + rest == b"data: a\n\ndata: b\n\ndata: c\n\n"
+        await resp.release()
+        assert c.open_connections == 1
+        await c.close()
+
+
+async def test_a_body_that_breaks_off_under_a_splice_is_a_stream_error() -> None:
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(SSE_HEAD + sse_chunks([b"data: a\n\n"]))
+        await w.drain()
+        await asyncio.sleep(0.05)  # then close mid-body
+
+    async with server(h) as (url, _):
+        c = client()
+        resp = await c.post(url, b"{}", {})
+        got: list[bytes] = []
+        with pytest.raises(UpstreamStreamError):
+            while not await resp.splice(lambda b: got.append(b) is None):  # type: ignore[attr-defined]
+                pass
+        assert b"".join(got) == b"data: a\n\n"
+        await resp.abort()
+        assert c.open_connections == 0
+
+
 async def test_refused_is_a_connect_error_and_frees_its_slot() -> None:
     port = free_ports(1)
     c = client(max_connections=1)
