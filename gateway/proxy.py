@@ -680,12 +680,15 @@ class RelayResponse(Response):
         """Scan one chunk from the worker: complete events go to ``_out``; [DONE] ends it."""
         if self._done:
             return  # nothing after [DONE] reaches the client
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._pending = data
-            return
-        out, self._pending = data[:cut], data[cut:]
+        if not self._pending and chunk.endswith(b"\n\n"):
+            out = chunk  # the usual case: the worker's writes are whole events
+        else:
+            data = self._pending + chunk if self._pending else chunk
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                self._pending = data
+                return
+            out, self._pending = data[:cut], data[cut:]
         if _USAGE_MARK in out:
             out = self._take_usage(out, self._strip)
         self._call.events += out.count(b"\n\n")
