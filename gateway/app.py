@@ -39,6 +39,7 @@ from gateway.autoscale import (
     fleet_loads,
     request_tokens,
 )
+from gateway.call import Call
 from gateway.cluster import ClusterSync
 from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
@@ -63,7 +64,7 @@ from gateway.metrics import (
     KVEventCollector,
     LogCollector,
 )
-from gateway.proxy import Call, Proxy
+from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
 from gateway.server import HEAD_AT
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens

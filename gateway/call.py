@@ -1,0 +1,68 @@
+"""One client request on its way through the proxy (`Call`), and what its worker reported it
+used (`Usage`): the record every step of the walk reads and the settlement charges from."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scoring.policy import Decision, RouteRequest
+from workers.registry import Worker
+
+# The substring that marks the usage chunk among SSE events (and in a whole response): found with
+# a byte search, parsed only then.
+USAGE_MARK = b'"usage"'
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, u: Any) -> Usage | None:
+        if not isinstance(u, dict):
+            return None
+        details = u.get("prompt_tokens_details") or {}
+        return cls(
+            prompt_tokens=int(u.get("prompt_tokens") or 0),
+            completion_tokens=int(u.get("completion_tokens") or 0),
+            cached_tokens=int(details.get("cached_tokens") or 0)
+            if isinstance(details, dict)
+            else 0,
+        )
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request on its way through the proxy."""
+
+    request_id: str  # the gateway's own (gateway.ids): unique, names the request everywhere
+    model: str
+    path: str
+    body: bytes
+    stream: bool
+    client_wants_usage: bool
+    route: RouteRequest
+    route_debug: Decision | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    worker: str = ""
+    attempts: int = 0
+    status: int = 0
+    ttft: float | None = None
+    events: int = 0
+    usage: Usage | None = None
+    outcome: str = ""  # ok | upstream_4xx | client_disconnect | upstream_broken | idle_timeout
+    # Workers this request may use (a canary split), or None for any; ignored when none qualify.
+    pool_ok: Callable[[Worker], bool] | None = None
+    pool: str = ""  # the chosen worker's `pool` label, for per-pool metrics
+    prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
+    prefill_reported: bool = False  # this attempt's on_prefill_done was called
+    ctx: Any = None  # the gateway's own per-request state (tenant, quota ticket)
+    client_request_id: str | None = None  # the client's x-request-id: a label, echoed, forwarded
+    # The request went to a worker that may be generating it (non-streaming: nothing tells how
+    # far it got until the whole answer arrives); cleared when the attempt was refused.
+    upstream_sent: bool = False

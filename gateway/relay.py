@@ -1,0 +1,443 @@
+"""The SSE relay: one upstream stream to one client, from the first event to [DONE].
+
+It forwards the worker's bytes untouched. It looks at the bytes only to find event boundaries,
+`[DONE]`, and the final usage chunk (a substring test, no JSON per event); the usage chunk is
+parsed once, and removed again when the client did not ask for it (the proxy forces
+`include_usage` upstream so every stream can be accounted). Once the first byte is out, a failure
+becomes an in-band SSE error event followed by the end of the stream, as vLLM ends a stream that
+failed, so clients see one well-formed stream either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.call import USAGE_MARK, Call, Usage
+from gateway.client_socket import AckProbe
+from gateway.config import TimeoutSettings
+from gateway.errors import sse_error_event
+from gateway.metrics import BatchedHistogram
+from gateway.upstream import UpstreamResponse, UpstreamStreamError
+from workers.registry import Worker
+
+if TYPE_CHECKING:
+    from gateway.proxy import Proxy
+
+log = logging.getLogger("kvgate.proxy")
+
+_DONE = b"data: [DONE]\n\n"
+_STREAM_ERRORS = {
+    "idle_timeout": "The worker sent nothing for too long; the gateway ended the stream.",
+    "upstream_broken": "The worker's stream ended unexpectedly; the response is incomplete.",
+}
+
+
+class RelayResponse(Response):
+    """Streams one upstream SSE response to the client.
+
+    Runs the pump and a disconnect watcher side by side: the moment the client goes away the pump
+    is cancelled and the upstream connection closed, so the worker aborts the request and frees
+    its KV blocks. Cleanup sits in `finally` of `__call__`, so it runs even if the response is
+    cancelled before its first byte.
+    """
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        call: Call,
+        worker: Worker,
+        resp: UpstreamResponse,
+        first: tuple[Callable[[], Awaitable[bytes]], bytes],
+        headers: dict[str, str],
+        timeouts: TimeoutSettings,
+        deadline: float,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)  # before any `body` attribute exists: no content-length
+        self._proxy = proxy
+        self._call = call
+        self._worker = worker
+        self._resp = resp
+        self._next, self._first = first
+        self._t = timeouts
+        self._deadline = deadline
+        self._done = False
+        self._finished = False  # _complete ran: slot, lease and settlement are already settled
+        self.cut: str | None = None  # set (then the task cancelled) to end the stream: shutdown
+        self.stalled = False  # set (then the task cancelled) by _check_stall
+        self._sending = 0.0  # perf_counter when the send in progress started; 0 = none
+        # One timer per stream watches both ends: the client's reading (stall) and the worker's
+        # silence (idle_s) and the total deadline, instead of a timeout context per SSE read
+        # (asyncio.timeout enter/exit/reschedule was ~5% of the loop's time under load).
+        self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4, timeouts.idle_s / 4))
+        self._awaiting_worker = False  # the pump is waiting for the worker's next chunk
+        self._last_chunk = 0.0  # perf_counter of the worker's last chunk (or the stream start)
+        self._idle_cut = False  # set (then the task cancelled) by _check_stall: worker silent
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._settling = False  # _complete is running: the stall check must not cancel it
+        self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
+        self._acked = -1  # bytes the client had acked at the last stall check
+        self._progress_at = 0.0  # perf_counter of the last stall check that saw progress
+        # What the byte scan (`_feed`) keeps between chunks.
+        self._pending = b""  # an event not yet complete
+        self._out: list[bytes] = []  # complete events not yet written to the client
+        self._strip = not call.client_wants_usage
+        self._inter: BatchedHistogram | None = None
+        self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
+        self._ended = False  # the client has its whole response (the final chunk is out)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = self._call
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            me.cancel()
+
+        # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
+        # the watcher cancels it the moment the client leaves.
+        watcher = self._watcher = asyncio.get_running_loop().create_task(watch())
+        streams = self._proxy.streams
+        streams[me] = self
+        try:
+            # Inside the try: whatever happens from here, the cleanup below settles the call.
+            self._acks = AckProbe.of(send)
+            self._progress_at = self._last_chunk = time.perf_counter()
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self._stall_every, self._check_stall, me
+            )
+            await self._pump(send)
+        except asyncio.CancelledError:
+            if self.stalled and not gone:
+                me.uncancel()
+                self._client_stalled(call)
+            elif self.cut is not None and not gone:
+                me.uncancel()
+                if not self._ended:  # else [DONE] is out: only the upstream's tail was left
+                    call.outcome = "gateway_shutdown"
+                    self._proxy.metrics.stream_errors.labels("gateway_shutdown").inc()
+                    with contextlib.suppress(OSError):
+                        await self._send(send, sse_error_event(self.cut, "server_error", 503))
+                        await self._end(send)
+            elif not gone:
+                raise
+            else:
+                me.uncancel()
+        except OSError:  # the socket died under a send
+            gone = True
+        finally:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+            streams.pop(me, None)
+            watcher.cancel()
+            if gone:
+                call.outcome = "client_disconnect"
+                self._proxy.metrics.client_disconnects.inc()
+            if self._done:
+                await self._resp.release()
+            else:
+                await self._resp.abort()
+            if not self._finished:
+                if not call.outcome:
+                    call.outcome = "client_disconnect"
+                await self._complete()
+
+    async def _settle_before_done(self) -> None:
+        """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
+        disconnect watcher stops and the stall check holds off first, and a cancel either
+        already requested is taken now, so the cleanup in ``__call__`` settles instead."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            await asyncio.sleep(0)  # delivers the pending CancelledError
+        self._settling = True
+        try:
+            await self._complete()
+        finally:
+            self._settling = False
+
+    async def _complete(self) -> None:
+        """Free the worker slot, settle and record the request; once, at [DONE] or at the end."""
+        if self._finished:
+            return
+        self._finished = True
+        call = self._call
+        self._proxy.release(self._worker, call)
+        if self._done and not call.outcome:
+            call.outcome = "ok"
+        if call.outcome == "ok":
+            self._proxy.registry.passive_success(self._worker.name)
+        await self._proxy.finish(call)
+
+    async def _pump(self, send: Send) -> None:
+        """Relay until [DONE]: settle, then end the response with it and read the worker's
+        stream to its end (so its connection can be reused).
+
+        With kvgate's own upstream client under uvicorn, chunks are spliced: the upstream
+        connection's ``data_received`` scans them (`_on_chunk`) and writes complete events to the
+        client's transport itself, and this task sleeps until [DONE], the end, an error or a
+        client that cannot take more (then it sends the backlog with flow control, as the
+        generic path does for every chunk). That removes a task wake-up, an async iterator step
+        and an ASGI message per chunk: most of the relay's cost per SSE event.
+        """
+        call = self._call
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        m = self._proxy.metrics
+        self._inter = BatchedHistogram(m.child(m.inter_event, call.model))
+        self._last_chunk = time.perf_counter()
+        splice = getattr(self._resp, "splice", None)
+        if splice is not None:
+            self._cycle = _direct_cycle(send)
+            if self._cycle is None:
+                splice = None
+        try:
+            self._feed(self._first)
+            ended = False
+            while True:
+                if self._out:
+                    await self._flush(send)
+                if self._done or ended:
+                    break
+                if time.perf_counter() > self._deadline:
+                    raise TimeoutError
+                self._awaiting_worker = True
+                try:
+                    if splice is not None:
+                        ended = await splice(self._on_chunk)
+                    else:
+                        chunk = await self._next()
+                        if chunk:
+                            self._took(chunk)
+                        else:
+                            ended = True
+                except asyncio.CancelledError:
+                    if not self._idle_cut:
+                        raise
+                    self._idle_cut = False
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    raise TimeoutError from None
+                finally:
+                    self._awaiting_worker = False
+            if not self._done:
+                if self._pending:
+                    await self._send(send, self._pending)
+                raise UpstreamStreamError("worker closed the stream without [DONE]")
+        except (UpstreamStreamError, TimeoutError) as e:
+            reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
+            # A stable message per reason: clients branch on it, and the transport's own words
+            # (aiohttp internals, addresses) belong in the log, not in a tenant's stream.
+            msg = _STREAM_ERRORS[reason]
+            call.outcome = reason
+            self._proxy.metrics.stream_errors.labels(reason).inc()
+            log.warning(
+                "request %s on %s: %s (%s)", call.request_id, call.worker, reason, e or type(e)
+            )
+            if self._out:  # complete events the client had no room for yet
+                await self._flush(send)
+            # An event may have been cut in half; end it before the error event.
+            tail = b"\n\n" if self._pending else b""
+            await self._send(
+                send,
+                tail
+                + sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502),
+            )
+            await self._end(send)
+            return
+        finally:
+            self._inter.flush()
+        # Everything is settled before the client sees the end: a client that starts its next
+        # request on [DONE] must find its concurrency lease and the worker's slot already free
+        # (else a false 429 at max_concurrent).
+        await self._settle_before_done()
+        call.outcome = "ok"
+        await self._end(send, _DONE)
+        await self._drain_upstream(ended)
+
+    async def _drain_upstream(self, ended: bool) -> None:
+        """After [DONE]: read the worker's stream to its end (its terminating chunk usually came
+        with [DONE]) so the connection goes back to the pool; bounded like any read."""
+        self._awaiting_worker = True
+        try:
+            while not ended:
+                ended = not await self._next()
+        except asyncio.CancelledError:
+            if not self._idle_cut:
+                raise
+            self._idle_cut = False
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            self._done = False  # not read to the end: the connection is closed, not reused
+        except UpstreamStreamError:
+            self._done = False
+        finally:
+            self._awaiting_worker = False
+
+    def _took(self, chunk: bytes) -> None:
+        prev = self._last_chunk
+        self._last_chunk = now = time.perf_counter()
+        assert self._inter is not None
+        self._inter.observe(now - prev)
+        self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> None:
+        """Scan one chunk from the worker: complete events go to ``_out``; [DONE] ends it."""
+        if self._done:
+            return  # nothing after [DONE] reaches the client
+        if not self._pending and chunk.endswith(b"\n\n"):
+            out = chunk  # the usual case: the worker's writes are whole events
+        else:
+            data = self._pending + chunk if self._pending else chunk
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                self._pending = data
+                return
+            out, self._pending = data[:cut], data[cut:]
+        if USAGE_MARK in out:
+            out = self._take_usage(out, self._strip)
+        self._call.events += out.count(b"\n\n")
+        if out.endswith(_DONE):
+            self._done = True
+            out = out[: -len(_DONE)]
+        if out:
+            self._out.append(out)
+
+    def _on_chunk(self, chunk: bytes) -> bool:
+        """The splice's sink, called from the upstream connection's ``data_received``: scan,
+        write to the client if it can take it, and say whether the task may keep sleeping."""
+        self._took(chunk)
+        if self._out and not self._write_now():
+            return False
+        return not self._done and self._last_chunk <= self._deadline
+
+    def _write_now(self) -> bool:
+        """Write the backlog as one chunk straight to the client's transport, as uvicorn's send
+        would frame it; False when the client is not taking data (flow control, gone)."""
+        cy = self._cycle
+        if cy.flow.write_paused or cy.disconnected:
+            return False
+        out = self._out
+        body = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        cy.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    async def _flush(self, send: Send) -> None:
+        if self._cycle is not None and self._write_now():
+            return
+        out = self._out
+        body = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        await self._send(send, body)
+
+    async def _end(self, send: Send, body: bytes = b"") -> None:
+        """The response's last chunk (with the terminator in the same write)."""
+        self._sending = time.perf_counter()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        self._sending = 0.0
+        self._ended = True
+
+    async def _send(self, send: Send, body: bytes) -> None:
+        """Send, marking when: a stall check (``_check_stall``) cuts off a client that stops
+        reading (window full, socket open), which must not hold the worker slot, lease and
+        upstream stream past the total deadline or ``client_stall_s``. A timer per stream
+        instead of a timeout per send: the relay sends once per SSE read (measured with
+        bench/overhead.py: a timeout context per send cost 10% of relay capacity)."""
+        self._sending = time.perf_counter()
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        self._sending = 0.0
+
+    def _client_stalled(self, call: Call) -> None:
+        # Cut off: the response stays unfinished, so the server closes the connection.
+        call.outcome = "client_stalled"
+        self._proxy.metrics.stream_errors.labels("client_stalled").inc()
+        log.warning("request %s: client stopped reading; stream cut off", call.request_id)
+
+    def _check_stall(self, task: asyncio.Task[Any]) -> None:
+        """Cut off a client that stopped reading within ``client_stall_s`` of the last byte its
+        TCP stack accepted (``AckProbe``), however much the buffers between could still absorb;
+        a send blocked past that window (no probe) or past the total deadline cuts it too."""
+        now = time.perf_counter()
+        if self._awaiting_worker and (
+            now - self._last_chunk > self._t.idle_s or now > self._deadline
+        ):
+            self._idle_cut = True  # the pump turns this cancel into the idle-timeout error
+            task.cancel()
+            return
+        started = self._sending
+        stalled = bool(started) and now > self._deadline and not self._settling
+        acks = self._acks
+        if acks is not None and not stalled:
+            try:
+                acked, queued = acks.read()
+            except OSError:  # the socket is gone: the disconnect watcher takes it from here
+                self._acks = acks = None
+            else:
+                if queued == 0 or acked != self._acked:
+                    self._acked, self._progress_at = acked, now
+                else:
+                    stalled = now - self._progress_at > self._t.client_stall_s
+        if acks is None and started and now - started > self._t.client_stall_s:
+            stalled = True
+        if stalled and not self._settling:
+            self.stalled = True
+            task.cancel()
+            return
+        self._stall_timer = asyncio.get_running_loop().call_later(
+            self._stall_every, self._check_stall, task
+        )
+
+    def _take_usage(self, out: bytes, strip: bool) -> bytes:
+        """Find the usage chunk among complete events; parse it once; drop it if unrequested."""
+        events = out.split(b"\n\n")
+        kept = []
+        for ev in events:
+            if USAGE_MARK in ev and ev.startswith(b"data: {") and b'"choices":[]' in ev:
+                with contextlib.suppress(orjson.JSONDecodeError, ValueError):
+                    self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
+                if strip:
+                    continue
+            kept.append(ev)
+        return b"\n\n".join(kept)
+
+
+def reader(resp: UpstreamResponse) -> Callable[[], Awaitable[bytes]]:
+    """A response's next-chunk call: its own where it has one (no async generator per stream),
+    else a step of ``chunks()``."""
+    nxt = getattr(resp, "next_chunk", None)
+    if nxt is not None:
+        return nxt  # type: ignore[no-any-return]
+    it = resp.chunks()
+    return lambda: anext(it, b"")
+
+
+def _direct_cycle(send: Send) -> Any:
+    """uvicorn's request cycle behind ``send`` when the relay may write body chunks to its
+    transport itself: a chunked response already started, the flow control and disconnect flags
+    it keeps. Any other server (or a wrapped ``send``) gets None: every chunk goes through
+    ``send``."""
+    cy = getattr(send, "__self__", None)
+    if (
+        getattr(cy, "chunked_encoding", None) is True
+        and getattr(cy, "response_started", False)
+        and hasattr(getattr(cy, "flow", None), "write_paused")
+        and hasattr(cy, "disconnected")
+        and getattr(cy, "transport", None) is not None
+    ):
+        return cy
+    return None
