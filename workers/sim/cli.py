@@ -19,11 +19,12 @@ from typing import Any
 
 import uvicorn
 
+from workers.sim.config import SimWorkerConfig
 from workers.sim.engine import EngineConfig
 from workers.sim.faults import Faults, FaultValidationError
 from workers.sim.kv_publisher import LAYOUTS
 from workers.sim.profiles import PROFILES, get_profile
-from workers.sim.server import SimWorkerConfig, bind_sockets, serve_workers
+from workers.sim.server import bind_sockets, serve_workers
 
 __all__ = ["add_sim_parser", "build_configs", "main", "run_sim"]
 

@@ -4,7 +4,7 @@ Pure and clock-agnostic: the caller passes `now` in and advances time by the dur
 returns. The real-time loop (`workers.sim.realtime`) sleeps that duration; the virtual clock
 (`workers.sim.vclock`) jumps over it. Both therefore exercise the very same scheduling code.
 
-CONTRACT (shared with workers/sim/realtime.py, workers/sim/server.py and bench/):
+CONTRACT (shared with workers/sim/realtime.py, workers/sim/worker.py and bench/):
 - `Engine(config, profile)`
 - `add_request(req: SimRequest, now: float) -> None`  (queues it as waiting)
 - `abort(request_id: str) -> bool`                       (frees its blocks, True if it existed)

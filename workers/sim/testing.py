@@ -24,10 +24,12 @@ from typing import Any
 
 import uvicorn
 
+from workers.sim.config import SimWorkerConfig
 from workers.sim.engine import EngineConfig
 from workers.sim.faults import Faults
 from workers.sim.profiles import TimingProfile
-from workers.sim.server import SimWorker, SimWorkerConfig, bind_sockets, serve_workers
+from workers.sim.server import bind_sockets, serve_workers
+from workers.sim.worker import SimWorker
 
 __all__ = ["SimFleet", "run_sim_workers"]
 
