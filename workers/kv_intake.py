@@ -1,10 +1,11 @@
 """KV events into the precise index: one subscriber per worker that publishes them.
 
-`workers.kv_events` speaks the wire (ZMQ, msgpack, sequences, replay); `scoring.precise` keeps
-the truth. This module is the seam between them: it turns a decoded ``BlockStored`` into the
-index's terms (the root seed of a chain is the model or LoRA the blocks belong to plus the
-request's ``cache_salt``, exactly what the gateway seeds a token-mode request with), and it
-keeps the set of subscribers equal to the set of configured workers across config reloads.
+`workers.kv_wire` (msgpack) and `workers.kv_events` (ZMQ, sequences, replay) speak the wire;
+`scoring.precise` keeps the truth. This module is the seam between them: it turns a decoded
+``BlockStored`` into the index's terms (the root seed of a chain is the model or LoRA the blocks
+belong to plus the request's ``cache_salt``, exactly what the gateway seeds a token-mode request
+with), and it keeps the set of subscribers equal to the set of configured workers across config
+reloads.
 
 Why the root seed is rebuilt from the event and not remembered per request: events arrive for
 traffic this replica never routed (other replicas, direct clients), and every replica must key
@@ -21,14 +22,8 @@ from dataclasses import dataclass
 
 from scoring.precise import PreciseIndex
 from scoring.prefix import seed_for
-from workers.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    KVEventStats,
-    KVEventSubscriber,
-)
+from workers.kv_events import KVEventStats, KVEventSubscriber
+from workers.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["KVEndpoint", "KVEventFleet", "PreciseSink"]
 

@@ -20,13 +20,9 @@ from gateway.admission import (
     AdmissionController,
     AdmissionSettings,
     Admitted,
-    Entry,
-    FairQueue,
-    Reason,
-    State,
-    tier_of,
 )
 from gateway.errors import APIError
+from gateway.fair_queue import Entry, FairQueue, Reason, State, tier_of
 
 TERMINAL = {
     State.ADMITTED,

@@ -22,7 +22,7 @@ from tests.integration.conftest import (
     gateway_over,
     openai_client,
 )
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from workers.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 pytestmark = pytest.mark.integration
 

@@ -19,14 +19,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from workers.kv_events import (
+from workers.kv_events import KVEventSubscriber
+from workers.kv_wire import (
     FULL_ATTENTION,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventDecodeError,
-    KVEventSubscriber,
     decode_batch,
     encode_batch,
 )
