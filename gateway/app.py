@@ -1,8 +1,13 @@
 """The HTTP edge: routes, the request's walk, and the gateway's lifecycle.
 
-The walk for a completion: read the capped body -> parse and validate once -> find healthy
-workers for the model (404 unknown / 503 none healthy) -> the proxy picks one through the routing
-policy, retries before the first byte, relays SSE untouched -> metrics and one log line.
+The walk for a completion (`Gateway.completions`, top to bottom): authenticate the tenant
+(gateway/tenancy.py) -> read the capped body, parse and validate once (gateway/validate.py) ->
+apply the tenant's output caps -> find healthy workers for the model (404 unknown / 503 none
+healthy) -> the route key (gateway/keying.py) -> reserve quota (gateway/quota_gate.py) -> wait
+for room (gateway/admission.py) -> the proxy picks a worker through the routing policy and
+retries before the first byte (gateway/proxy.py) -> the relay streams SSE untouched
+(gateway/relay.py) -> settlement charges what was used and writes the usage record
+(gateway/settlement.py), then metrics and one log line.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +39,10 @@ from gateway.autoscale import (
     AutoscaleCollector,
     AutoscaleSettings,
     DesiredWorkers,
-    InFlight,
     fleet_loads,
     request_tokens,
 )
-from gateway.call import Call
+from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
 from gateway.config import AdmissionSettings as AdmissionConfig
 from gateway.config import (
@@ -48,7 +51,6 @@ from gateway.config import (
     ProbeSettings,
     RoutingSettings,
     Settings,
-    TokenModeSettings,
     WeightsSettings,
     WorkerSettings,
     load_settings,
@@ -56,6 +58,7 @@ from gateway.config import (
 )
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
+from gateway.keying import load_keyers, route_key
 from gateway.logs import setup_logging
 from gateway.metrics import (
     AdmissionCollector,
@@ -67,13 +70,13 @@ from gateway.metrics import (
 from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
 from gateway.server import HEAD_AT
+from gateway.settlement import Settlement
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
-from scoring.policy import Policy, RoutingState, make_policy, route_request, session_id_from
+from scoring.policy import Policy, RoutingState, make_policy
 from scoring.precise import PreciseIndex
-from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
 from scoring.views import RoutingOptions, Weights
 from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
@@ -86,19 +89,6 @@ log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # a dispatch still waiting this long gets a client-disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# Outcomes of a non-streaming request cut off while a worker was generating it.
-_CUT_OFF = frozenset({"upstream_timeout", "client_disconnect"})
-
-
-def _load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
-    from gateway.tokenizers import SIM_TOKENIZER, load_token_keyer, sim_token_keyer
-
-    return {
-        m: sim_token_keyer(t.cache_tokens)
-        if p == SIM_TOKENIZER
-        else load_token_keyer(p, cache_tokens=t.cache_tokens)
-        for m, p in t.models.items()
-    }
 
 
 def _spec(w: WorkerSettings) -> WorkerSpec:
@@ -115,7 +105,7 @@ def _spec(w: WorkerSettings) -> WorkerSpec:
     )
 
 
-# [admission] fields the gateway reads itself (slots and the priority reserve, `_worker_room`),
+# [admission] fields the gateway reads itself (slots and the priority reserve, `worker_room`),
 # not the queue core.
 _ADMISSION_GATEWAY_ONLY = ("worker_concurrency", "priority_reserve", "reserve_min_priority")
 # [probes] fields the prober reads (schedule, deep probes), not the registry's health machine.
@@ -182,7 +172,7 @@ class Gateway:
         self._kv_sync_lock = asyncio.Lock()
         self._health_seen: dict[str, tuple[Health, float | None]] = {}
         self._kv_tasks: set[asyncio.Task[None]] = set()
-        self.token_keyers = _load_keyers(settings.routing.token_mode)
+        self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
         self.quota = QuotaGate(settings.quota, self.metrics)
@@ -209,6 +199,7 @@ class Gateway:
             )
         )
         self.usage: UsageSink = NullSink()
+        self.settlement = Settlement(self.quota, self.usage)
         self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
         self.probe_client: httpx.AsyncClient | None = None
@@ -243,6 +234,7 @@ class Gateway:
             )
         elif s.quota.usage_file:
             self.usage = JsonlSink(s.quota.usage_file)
+        self.settlement.usage = self.usage
         self.upstream = make_upstream(
             s.upstream.client,
             connect_s=s.timeouts.connect_s,
@@ -264,17 +256,7 @@ class Gateway:
             deep_timeout_s=s.probes.deep_timeout_s,
             deep_model=s.probes.deep_model,
         )
-        self.proxy = Proxy(
-            self.registry,
-            self.upstream,
-            self.metrics,
-            policy=lambda: self.policy,
-            settings=lambda: self.settings,
-            on_passive_failure=self._on_passive_failure,
-            on_finish=self._settle,
-            room=self._worker_room,
-            on_release=self.admission.kick,
-        )
+        self.proxy = Proxy(self.registry, self.upstream, self.metrics, self)
         self.prober.sync()
         if self.cluster is not None:
             await self.cluster.start()
@@ -381,7 +363,7 @@ class Gateway:
             p_.stale_after_s, p_.stale_after_dispatches = k.stale_after_s, k.stale_after_dispatches
         if r.token_mode != old.routing.token_mode:
             try:
-                self.token_keyers = _load_keyers(r.token_mode)
+                self.token_keyers = load_keyers(r.token_mode)
             except Exception:
                 log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
@@ -432,7 +414,7 @@ class Gateway:
             except Exception:
                 log.exception("kv events: subscriber sync failed")
 
-    def _worker_room(self, w: Worker) -> int:
+    def worker_room(self, w: Worker) -> int:
         """Requests ``w`` can take now: its concurrency cap minus what is in flight there (every
         replica's, with [cluster]: the cap is the worker's, not one replica's share), none while
         its KV cache is saturated (new sequences would only preempt running ones).
@@ -463,7 +445,7 @@ class Gateway:
         kept for the latency-sensitive tiers)."""
         a = self.settings.admission
         free = total = 0
-        room = self._worker_room
+        room = self.worker_room
         for w in self.registry.candidates(model):
             total += w.spec.max_concurrency or a.worker_concurrency
             free += room(w)
@@ -526,7 +508,7 @@ class Gateway:
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
 
-    def _on_passive_failure(self, name: str) -> None:
+    def on_passive_failure(self, name: str) -> None:
         w = self.registry.workers.get(name)
         if w is None:
             return
@@ -567,8 +549,7 @@ class Gateway:
             req = parse_request(path, raw)
             data, model = req.data, req.model
             is_chat = path == CHAT
-            opts = self.routing_options
-            prompt_est = estimate_prompt_tokens(is_chat, data, opts.chars_per_token)
+            prompt_est = estimate_prompt_tokens(is_chat, data, self.routing_options.chars_per_token)
             if self.tenants.enabled:
                 # Output reserved: per-choice limit (capped/injected) x choices x prompts.
                 max_out, changed = apply_caps(tenant, model, data, prompt_est, is_chat=is_chat)
@@ -579,47 +560,23 @@ class Gateway:
                 if self.registry.knows_model(model) or not self.registry.healthy():
                     raise no_capacity(f"no healthy worker is serving model `{model}`")
                 raise model_not_found(model)
-            policy = self.policy
-            salt = data.get("cache_salt")
-            cache_salt = salt if isinstance(salt, str) else None
-            kind = "chat" if is_chat else "completion"
-            needs_chain = getattr(policy, "needs_chain", False)
-            keyer = self.token_keyers.get(model) if needs_chain else None
-            key = None
-            if keyer is not None:  # token mode: the worker's own tokens and blocks
-                views = (w.view() for w in self.registry.candidates(model))
-                bs = next((v.block_size for v in views if v.block_size), 16)
-                keying = functools.partial(
-                    keyer.key,
-                    kind,
-                    data,
-                    model=model,
-                    namespace=tenant.namespace,
-                    cache_salt=cache_salt,
-                    block_size=bs,
-                    max_blocks=opts.max_blocks,
-                    tail_ratio=opts.tail_ratio,
-                    tail_blocks=opts.tail_blocks,
-                    block_chain_blocks=opts.precise_max_blocks if self.kv_fleet.active else 0,
-                )
-                with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
-                    big = len(raw) > settings.routing.token_mode.offload_bytes
-                    key = await asyncio.to_thread(keying) if big else keying()
-            route = route_request(
-                kind,
-                data,
+            route = await route_key(
+                policy=self.policy,
+                keyers=self.token_keyers,
+                views=(w.view() for w in self.registry.candidates(model)),
+                options=self.routing_options,
+                token_mode=settings.routing.token_mode,
+                is_chat=is_chat,
+                data=data,
+                raw_len=len(raw),
                 model=model,
                 namespace=tenant.namespace,
-                cache_salt=cache_salt,
+                headers=request.headers,
+                session_header=settings.routing.session_header,
                 tenant_priority=tenant.priority,
-                session_id=session_id_from(request.headers, data, settings.routing.session_header),
                 request_id=rid,
-                options=opts,
-                hash_prefix=needs_chain and key is None,
-                block_chain_blocks=opts.precise_max_blocks if self.kv_fleet.active else 0,
+                precise=self.kv_fleet.active,
             )
-            if key is not None:
-                route = with_key(route, key)
             if self.tenants.enabled:
                 ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
             call = Call(
@@ -633,7 +590,7 @@ class Gateway:
                 route=route,
                 t_start=t0,
                 pool_ok=self._split(model),
-                ctx=_Ctx(
+                account=Account(
                     tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
                 ),
             )
@@ -644,8 +601,7 @@ class Gateway:
         except asyncio.CancelledError:
             # Cancelled from outside (server shutdown past its grace): nothing was produced for
             # the client, so the reservation goes back, never leaks.
-            if ticket is not None and not (call is not None and call.ctx.settled):
-                await self.quota.release(ticket, refund_all=True)
+            await self.settlement.refund(call, ticket)
             raise
         except APIError as e:
             if call is not None and call.upstream_sent and not call.stream:
@@ -654,9 +610,9 @@ class Gateway:
                 call.status = e.status
                 call.outcome = "upstream_timeout" if e.status == 504 else "client_disconnect"
                 await self.proxy.finish(call)  # type: ignore[union-attr]
-            elif ticket is not None and not (call is not None and call.ctx.settled):
+            else:
                 # No worker produced anything: not the tenant's doing, refund it all.
-                await self.quota.release(ticket, refund_all=True)
+                await self.settlement.refund(call, ticket)
             self.metrics.rejected.labels(str(e.status)).inc()
             log.info(
                 "rejected",
@@ -738,7 +694,9 @@ class Gateway:
             )
             # Every request (0 s when it went straight through): the p95 is over all of them.
             self.autoscale.observe_queue_wait(call.model, admitted.wait_s)
-            lease = call.ctx.in_flight = self.autoscale.begin(call.model, call.ctx.tokens)
+            account = call.account
+            assert account is not None
+            lease = account.in_flight = self.autoscale.begin(call.model, account.tokens)
             try:
                 resp = await self.proxy.forward(call)
             except BaseException:
@@ -763,57 +721,12 @@ class Gateway:
             for t in watcher:
                 t.cancel()
 
-    async def _settle(self, call: Call) -> None:
-        """Charge the tenant for what really happened, exactly once, and write the usage record."""
-        ctx: _Ctx | None = call.ctx
-        if ctx is None or ctx.settled:
-            return
-        ctx.settled = True
-        if ctx.in_flight is not None:
-            ctx.in_flight.end()
-        u = call.usage
-        charged = 0
-        t = ctx.ticket
-        if u is not None:
-            discount = ctx.tenant.cfg.cached_token_discount
-            charged = u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens)
-            if t is not None:
-                await self.quota.settle(t, charged)
-        elif call.events > 0 and call.stream:
-            # Broken or abandoned stream: the prompt plus what was streamed (role/usage/[DONE]
-            # events are not tokens).
-            charged = ctx.prompt_estimate + max(0, call.events - 2)
-            if t is not None:
-                await self.quota.settle(t, charged)
-        elif not call.stream and call.outcome in _CUT_OFF:
-            # A whole response cut off mid-generation: how far the worker got is unknowable, so
-            # the reservation (prompt + output cap) is what it may have spent. Exact billing of
-            # cut-off work needs `stream: true`.
-            charged = t.reserved if t is not None else ctx.tokens
-            if t is not None:
-                await self.quota.settle(t, charged)
-        elif t is not None:
-            # Nothing generated: an upstream 4xx is the client's request's fault (the attempt
-            # counts), anything else is not.
-            await self.quota.release(t, refund_all=not (400 <= call.status < 500))
-        await self.usage.write(
-            {
-                "request_id": call.request_id,
-                "client_request_id": call.client_request_id,
-                "tenant": ctx.tenant.name,
-                "model": call.model,
-                "worker": call.worker,
-                "status": call.status,
-                "outcome": call.outcome,
-                "prompt_tokens": u.prompt_tokens if u else None,
-                "cached_tokens": u.cached_tokens if u else None,
-                "completion_tokens": u.completion_tokens if u else None,
-                "charged_tokens": charged,
-                "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
-                "duration_ms": round((time.perf_counter() - call.t_start) * 1000, 3),
-                "ts": round(time.time(), 3),
-            }
-        )
+    # -- the proxy's host (gateway.proxy.ProxyHost) ------------------------------------------------
+    def on_slot_freed(self, model: str) -> None:
+        self.admission.kick(model)
+
+    async def settle(self, call: Call) -> None:
+        await self.settlement.settle(call)
 
     async def models(self, request: Request) -> Response:
         """OpenAI's /v1/models: a key is required (when tenants exist) and a tenant sees only the
@@ -960,16 +873,6 @@ class Gateway:
             return JSONResponse({"reloaded": True})
         except APIError as e:
             return e.response()
-
-
-@dataclass(slots=True)
-class _Ctx:
-    tenant: Tenant
-    ticket: Ticket | None
-    prompt_estimate: int
-    settled: bool = False  # _settle ran: the ticket is closed whatever happens next
-    tokens: int = 0  # prompt estimate + output cap: the autoscaler's tokens in flight
-    in_flight: InFlight | None = None
 
 
 def _worker_doc(w: Worker) -> dict[str, object]:

@@ -1,15 +1,21 @@
-"""One client request on its way through the proxy (`Call`), and what its worker reported it
-used (`Usage`): the record every step of the walk reads and the settlement charges from."""
+"""One client request on its way through the walk (`Call`), who pays for it (`Account`), and
+what its worker reported it used (`Usage`): the record every step reads and settlement
+(gateway/settlement.py) charges from."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scoring.policy import Decision, RouteRequest
 from workers.registry import Worker
+
+if TYPE_CHECKING:
+    from gateway.autoscale import InFlight
+    from gateway.quota_gate import Ticket
+    from gateway.tenancy import Tenant
 
 # The substring that marks the usage chunk among SSE events (and in a whole response): found with
 # a byte search, parsed only then.
@@ -61,8 +67,20 @@ class Call:
     pool: str = ""  # the chosen worker's `pool` label, for per-pool metrics
     prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
     prefill_reported: bool = False  # this attempt's on_prefill_done was called
-    ctx: Any = None  # the gateway's own per-request state (tenant, quota ticket)
+    account: Account | None = None  # who pays (None: the proxy's own tests, no tenancy)
     client_request_id: str | None = None  # the client's x-request-id: a label, echoed, forwarded
     # The request went to a worker that may be generating it (non-streaming: nothing tells how
     # far it got until the whole answer arrives); cleared when the attempt was refused.
     upstream_sent: bool = False
+
+
+@dataclass(slots=True)
+class Account:
+    """Who pays for a request and what was reserved for it: the walk's part of a `Call`."""
+
+    tenant: Tenant
+    ticket: Ticket | None
+    prompt_estimate: int
+    tokens: int = 0  # prompt estimate + output cap: the autoscaler's tokens in flight
+    in_flight: InFlight | None = None
+    settled: bool = False  # settled: the ticket is closed whatever happens next

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.responses import Response
@@ -37,47 +37,52 @@ log = logging.getLogger("kvgate.proxy")
 reqlog = logging.getLogger("kvgate.request")
 
 
+class ProxyHost(Protocol):
+    """What the proxy needs from the gateway that owns it: the live config and policy (a reload
+    swaps them), and the walk's steps around a dispatch. One typed interface instead of a
+    callback per step."""
+
+    settings: Settings
+    policy: Policy
+
+    def worker_room(self, w: Worker) -> int:
+        """``w``'s free slots now; full workers are passed over while any has room."""
+
+    def on_slot_freed(self, model: str) -> None:
+        """A worker slot for ``model`` was freed (admission wakes a waiter)."""
+
+    def on_passive_failure(self, name: str) -> None:
+        """A worker failed a request before its first byte (health bookkeeping)."""
+
+    async def settle(self, call: Call) -> None:
+        """Charge what ``call`` used, once (gateway/settlement.py)."""
+
+
 class Proxy:
     def __init__(
-        self,
-        registry: Registry,
-        client: UpstreamClient,
-        metrics: GatewayMetrics,
-        *,
-        policy: Callable[[], Policy],
-        settings: Callable[[], Settings],
-        on_passive_failure: Callable[[str], None] = lambda name: None,
-        on_finish: Callable[[Call], Awaitable[None]] | None = None,
-        room: Callable[[Worker], int] | None = None,
-        on_release: Callable[[str], None] | None = None,
+        self, registry: Registry, client: UpstreamClient, metrics: GatewayMetrics, host: ProxyHost
     ) -> None:
         self.registry = registry
         self.client = client
         self.metrics = metrics
-        self._policy = policy
-        self._settings = settings
-        self._on_passive_failure = on_passive_failure
-        self._on_finish = on_finish
-        self._room = room  # a worker's free slots; full workers are passed over while any has room
-        self._on_release = on_release  # a slot was freed for this model (admission wakes a waiter)
+        self.host = host
         self.streams: dict[asyncio.Task[Any], RelayResponse] = {}  # live relays (drain cuts them)
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call) -> Response:
-        settings = self._settings()
+        settings = self.host.settings
         t = settings.timeouts
         deadline = call.t_start + t.total_s
         tried: set[str] = set()
         last_error: APIError | None = None
         max_attempts = settings.retries.max_attempts
-        policy = self._policy()
+        policy = self.host.policy
         while call.attempts < max_attempts:
             cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
             if call.pool_ok is not None:
                 cands = [w for w in cands if call.pool_ok(w)] or cands
-            if self._room is not None:
-                room = self._room
-                cands = [w for w in cands if room(w) > 0] or cands
+            room = self.host.worker_room
+            cands = [w for w in cands if room(w) > 0] or cands
             if not cands:
                 break
             decision = policy.choose([w.view() for w in cands], call.route)
@@ -300,25 +305,23 @@ class Proxy:
         call.prefill_tokens = 0
         if call.route.block_chain and not call.prefill_reported:
             call.prefill_reported = True
-            self._policy().on_prefill_done(worker.name, call.route)
+            self.host.policy.on_prefill_done(worker.name, call.route)
 
     def release(self, worker: Worker, call: Call) -> None:
         self.prefill_done(worker, call)
         worker.in_flight -= 1
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
-        if self._on_release is not None:
-            self._on_release(call.model)
+        self.host.on_slot_freed(call.model)
 
     def _fail(self, worker: Worker, error: str) -> None:
         log.warning("worker %s failed before first byte: %s", worker.name, error)
         self.registry.passive_failure(worker.name, error)
-        self._on_passive_failure(worker.name)
+        self.host.on_passive_failure(worker.name)
 
     async def finish(self, call: Call) -> None:
         """Record one finished request: settlement (the gateway's hook), metrics, the log line."""
         e2e = time.perf_counter() - call.t_start
-        if self._on_finish is not None:
-            await self._on_finish(call)
+        await self.host.settle(call)
         m = self.metrics
         m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
         m.child(m.e2e, call.model).observe(e2e)
@@ -331,7 +334,7 @@ class Proxy:
                     m.child(m.tpot, call.model, call.pool).observe(tpot)
             if u is not None and call.route_debug is not None and call.route.chain:
                 self._record_prediction(call, call.route_debug, u.cached_tokens)
-        if self._settings().logging.requests and reqlog.isEnabledFor(logging.INFO):
+        if self.host.settings.logging.requests and reqlog.isEnabledFor(logging.INFO):
             u = call.usage
             reqlog.info(
                 "request",

@@ -1,0 +1,95 @@
+"""The route key: what routing knows of a request before choosing a worker (prompt-prefix block
+hashes in the tenant's namespace, the session id, priority, the precise index's block chain).
+
+Text mode hashes the rendered prompt (scoring.policy.route_request). Token mode
+(`[routing.token_mode]`) keys on the worker's own tokens and blocks, so the approximate index
+agrees with vLLM's prefix cache block for block; its tokenizer runs in a thread for big bodies
+(it would stall every other stream), and a request it cannot tokenize falls back to text mode
+(the worker will refuse it too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gateway.config import TokenModeSettings
+from scoring.policy import Policy, RouteRequest, route_request, session_id_from
+from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
+from scoring.views import RoutingOptions, WorkerView
+
+
+def load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
+    """Token keyers per model, from `[routing.token_mode]` (tokenizer files, or the sim's)."""
+    from gateway.tokenizers import SIM_TOKENIZER, load_token_keyer, sim_token_keyer
+
+    return {
+        m: sim_token_keyer(t.cache_tokens)
+        if p == SIM_TOKENIZER
+        else load_token_keyer(p, cache_tokens=t.cache_tokens)
+        for m, p in t.models.items()
+    }
+
+
+async def route_key(
+    *,
+    policy: Policy,
+    keyers: Mapping[str, TokenKeyer],
+    views: Iterable[WorkerView],
+    options: RoutingOptions,
+    token_mode: TokenModeSettings,
+    is_chat: bool,
+    data: dict[str, Any],
+    raw_len: int,
+    model: str,
+    namespace: str,
+    headers: Mapping[str, str],
+    session_header: str,
+    tenant_priority: float,
+    request_id: str,
+    precise: bool,
+) -> RouteRequest:
+    """The request's route key; ``views`` are the model's candidates (token mode reads their
+    block size), ``precise`` whether a KV-event index wants the block chain."""
+    salt = data.get("cache_salt")
+    cache_salt = salt if isinstance(salt, str) else None
+    kind = "chat" if is_chat else "completion"
+    needs_chain = getattr(policy, "needs_chain", False)
+    keyer = keyers.get(model) if needs_chain else None
+    chain_blocks = options.precise_max_blocks if precise else 0
+    key = None
+    if keyer is not None:
+        bs = next((v.block_size for v in views if v.block_size), 16)
+        keying = functools.partial(
+            keyer.key,
+            kind,
+            data,
+            model=model,
+            namespace=namespace,
+            cache_salt=cache_salt,
+            block_size=bs,
+            max_blocks=options.max_blocks,
+            tail_ratio=options.tail_ratio,
+            tail_blocks=options.tail_blocks,
+            block_chain_blocks=chain_blocks,
+        )
+        with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
+            big = raw_len > token_mode.offload_bytes
+            key = await asyncio.to_thread(keying) if big else keying()
+    route = route_request(
+        kind,
+        data,
+        model=model,
+        namespace=namespace,
+        cache_salt=cache_salt,
+        tenant_priority=tenant_priority,
+        session_id=session_id_from(headers, data, session_header),
+        request_id=request_id,
+        options=options,
+        hash_prefix=needs_chain and key is None,
+        block_chain_blocks=chain_blocks,
+    )
+    return route if key is None else with_key(route, key)
