@@ -31,6 +31,7 @@ from typing import Any
 from bench.metrics import SLO, machine
 from bench.paths import out_path, shown
 from bench.simulate import (
+    FleetSpec,
     PolicySpec,
     RunContext,
     SimTask,
@@ -43,7 +44,7 @@ from bench.simulate import (
     specs_from_args,
     trace_from_args,
 )
-from bench.traces import cache_bound
+from bench.traces import Trace, cache_bound
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 QUANTS = ("p50", "p90", "p95", "p99")
@@ -155,6 +156,44 @@ def _base_rate(ctx: RunContext) -> float:
     """Mean offered rate of the (sampled) trace at scale 1, req/s."""
     n = len(ctx.trace.requests)
     return n / ctx.trace.duration_s if ctx.trace.duration_s > 0 else float(n)
+
+
+@dataclass(slots=True, frozen=True)
+class Capacity:
+    """One policy's sustainable mean rate on a fleet, for pacing a replay (`bench.compare
+    --load`): ``at_least`` when every probe up to the search's limit passed."""
+
+    request_rate: float
+    rate_scale: float
+    at_least: bool
+    probes: int
+
+
+def capacity_of(
+    trace: Trace,
+    fleet: FleetSpec,
+    spec: PolicySpec,
+    objectives: list[Objective],
+    *,
+    seed: int = 0,
+    iterations: int = 3,
+    max_log2: float = 10.0,
+    log: Any = print,
+) -> Capacity | None:
+    """The highest mean request rate at which ``spec`` keeps ``objectives`` on ``fleet`` for
+    ``trace`` (its arrival shape kept), by the same offline search as this tool's; None when
+    even the slowest rate probed fails."""
+    ctx = RunContext(trace=trace, fleet=fleet, seed=seed)
+    (s,) = run_search(ctx, [spec], objectives, iterations=iterations, max_log2=max_log2, log=log)
+    scale = s.answer_scale
+    if scale is None:
+        return None
+    return Capacity(
+        request_rate=scale * _base_rate(ctx),
+        rate_scale=scale,
+        at_least=s.hi is None,
+        probes=len(s.probes),
+    )
 
 
 def answer_lines(

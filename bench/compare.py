@@ -305,6 +305,22 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v / 1000:.3f}"
 
 
+def pacing_describe(p: dict[str, Any] | None) -> str:
+    """How the sample's clock was set, in words."""
+    if not p:
+        return "trace times as sampled"
+    if p["by"] == "load":
+        at_least = "at least " if p["capacity_at_least"] else ""
+        return (
+            f"{p['load']:g} x round-robin's capacity on this fleet ({at_least}"
+            f"{p['capacity_req_s']:.3g} req/s, offline search): {p['rate']:.3g} req/s, "
+            f"time scale x{p['time_scale']:.3g}"
+        )
+    if p["by"] == "rate":
+        return f"{p['rate']:g} req/s on average, time scale x{p['time_scale']:.3g}"
+    return f"time scale x{p['time_scale']:.3g}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The table a capacity reviewer reads, headed by everything needed to reproduce it."""
     tr = report["trace"]
@@ -312,6 +328,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# kvgate bench.compare",
         "",
         f"- trace: {tr['describe']}",
+        f"- pacing: {pacing_describe(tr.get('pacing'))}",
         f"- infinite-cache bound: {tr['bound']['token_hit_rate']:.1%} of prompt tokens "
         f"({tr['bound']['block_hit_rate']:.1%} of blocks); pooled fleet cache (LRU) "
         f"{tr['pooled_bound']['token_hit_rate']:.1%}",
@@ -525,6 +542,12 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
 # ==================================================================================================
 
 
+# `--load`'s default, and the objective its capacity is searched against: near saturation for
+# round-robin, so the routers' differences show, without a queue that only grows.
+DEFAULT_LOAD = 0.9
+CAPACITY_TTFT_P95_S = 2.0
+
+
 def rate_time_scale(trace: Trace, rate: float) -> float:
     """The time scale that replays `trace` at `rate` requests/s on average (its arrivals keep
     their shape: bursts stay bursts, only the clock runs faster or slower)."""
@@ -535,15 +558,62 @@ def rate_time_scale(trace: Trace, rate: float) -> float:
 
 
 def prepare(args: argparse.Namespace) -> Trace:
+    """The sample, with its output capped; its clock is set by `pace`."""
     trace = load_trace(args.trace, args.format)
     if args.limit:
         trace = head(trace, args.limit)
     if args.sample:
         trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
-    trace = scale_time(trace, rate_time_scale(trace, args.rate) if args.rate else args.time_scale)
     if args.max_output:
         trace = cap_output(trace, args.max_output)
     return trace
+
+
+def pace(
+    trace: Trace, args: argparse.Namespace, fleet: SimFleet, log: Callable[[str], None]
+) -> tuple[Trace, dict[str, Any]]:
+    """Set the sample's clock: `--rate`, `--time-scale`, or `--load` x round-robin's capacity
+    on this fleet (the default): a rate guessed for one trace overloads or idles the fleet on
+    another, and a comparison only means something near saturation."""
+    if args.rate:
+        scale = rate_time_scale(trace, args.rate)
+        info: dict[str, Any] = {"by": "rate", "rate": args.rate}
+    elif args.time_scale is not None and args.load is None:
+        scale = args.time_scale
+        info = {"by": "time_scale"}
+    else:
+        from bench.capacity import Objective, capacity_of
+
+        load = DEFAULT_LOAD if args.load is None else args.load
+        log(f"pacing: searching round_robin's capacity on this fleet offline (--load {load:g})")
+        cap = capacity_of(
+            trace,
+            fleet.spec(),
+            PolicySpec.parse("round_robin"),
+            [Objective("ttft", "p95", CAPACITY_TTFT_P95_S)],
+            seed=args.seed,
+            log=log,
+        )
+        if cap is None:
+            raise TraceError(
+                "round_robin keeps no rate within the TTFT objective on this fleet (its "
+                "requests may be too long for it): set --rate or --time-scale"
+            )
+        rate = load * cap.request_rate
+        scale = rate_time_scale(trace, rate)
+        info = {
+            "by": "load",
+            "load": load,
+            "capacity_req_s": round(cap.request_rate, 4),
+            "capacity_at_least": cap.at_least,
+            "rate": round(rate, 4),
+        }
+        log(
+            f"pacing: round_robin sustains {'at least ' if cap.at_least else ''}"
+            f"{cap.request_rate:.3g} req/s; replaying at {rate:.3g} req/s ({load:g}x)"
+        )
+    info["time_scale"] = round(scale, 6)
+    return scale_time(trace, scale), info
 
 
 def predict(
@@ -579,13 +649,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
     g.add_argument("--sample", type=float, default=0.05, help="fraction (<=1) or count (>1)")
     g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
-    g.add_argument("--time-scale", type=float, default=0.045, help="x trace times")
+    g.add_argument("--time-scale", type=float, default=None, help="x trace times")
     g.add_argument(
         "--rate",
         type=float,
         default=None,
         help="replay the (sampled) trace at this mean req/s instead of --time-scale, keeping "
         "its arrival pattern",
+    )
+    g.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help=f"replay at this fraction of round-robin's capacity on this fleet (an offline search: "
+        f"every request done, TTFT p95 <= {CAPACITY_TTFT_P95_S:g} s); the default "
+        f"({DEFAULT_LOAD:g}) when neither --rate nor --time-scale is given",
     )
     g.add_argument("--max-output", type=int, default=256, help="cap output tokens (0 = no cap)")
     g.add_argument("--seed", type=int, default=0)
@@ -658,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--gateways must be >= 1")
     if args.rate is not None and not args.rate > 0:
         p.error("--rate must be > 0 (requests per second)")
+    if args.load is not None and not args.load > 0:
+        p.error("--load must be > 0 (a fraction of round-robin's capacity)")
+    if sum(x is not None for x in (args.rate, args.time_scale, args.load)) > 1:
+        p.error("give one of --rate, --time-scale and --load")
     if args.predict_share is None:
         args.predict_share = "none" if args.no_cluster else "all"
     try:
@@ -681,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
         gpu_slowdown=args.gpu_slowdown,
         max_model_len=max(262144, max(r.input_length + r.output_length for r in trace.requests)),
     )
+    try:
+        trace, pacing = pace(trace, args, fleet, lambda s: console.print(s, markup=False))
+    except TraceError as e:
+        exit_on_trace_error(p.prog, e)
     slo = parse_goodput(args.goodput)
     specs = [PolicySpec.parse(s) for s in split_policies(args.policies)]
     peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
@@ -786,6 +872,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": {
             **trace.meta(),
             "describe": trace.describe(),
+            "pacing": pacing,
             "bound": bound.to_json(),
             "pooled_bound": pooled.to_json(),
         },

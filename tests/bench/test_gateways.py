@@ -17,7 +17,7 @@ from bench.gateways import Shared, kv_event_endpoints, kvgate_config, start_kvga
 from bench.metrics import SLO
 from bench.replay import ReplayOptions, run_replay
 from bench.simulate import PolicySpec
-from bench.traces import SyntheticSpec, synthetic
+from bench.traces import SyntheticSpec, Trace, synthetic
 from gateway.config import Settings
 from gateway.redis_server import RedisServer
 
@@ -169,13 +169,16 @@ def test_two_gateway_processes_share_one_redis_and_split_the_replay(tmp_path: Pa
 
 
 def test_compare_rate_replays_the_sample_at_that_mean_rate() -> None:
-    from bench.compare import build_parser, prepare
+    from bench.compare import build_parser, pace, prepare
 
-    args = build_parser().parse_args(["--sample", "0.05", "--rate", "3", "--peers", "none"])
-    trace = prepare(args)
+    def paced(argv: list[str]) -> Trace:
+        args = build_parser().parse_args(argv)
+        return pace(prepare(args), args, SimFleet(), lambda s: None)[0]
+
+    trace = paced(["--sample", "0.05", "--rate", "3", "--peers", "none"])
     n = len(trace.requests)
     assert n > 50
     assert (n - 1) / trace.duration_s == pytest.approx(3.0, rel=1e-6)
-    slow = prepare(build_parser().parse_args(["--sample", "0.05", "--rate", "0.5"]))
+    slow = paced(["--sample", "0.05", "--rate", "0.5"])
     assert [r.request_id for r in slow.requests] == [r.request_id for r in trace.requests]
     assert (n - 1) / slow.duration_s == pytest.approx(0.5, rel=1e-6)
