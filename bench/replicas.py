@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scoring.learned import Learned, apply_learned
-from scoring.policy import RouteRequest, RoutingState, WorkerView
+from scoring.state import RoutingState
+from scoring.views import RouteRequest, WorkerView
 
 __all__ = [
     "CLUSTER_PARTS",

@@ -41,7 +41,9 @@ from typing import Any
 import orjson
 
 from bench.metrics import nearest_rank
-from scoring.policy import RoutingOptions, WorkerView, make_policy, route_request
+from scoring.policy import make_policy
+from scoring.route_key import route_request
+from scoring.views import RoutingOptions, WorkerView
 
 CHARS_PER_TOKEN = 4
 

@@ -34,7 +34,8 @@ from bench.traces import (
     load_mooncake,
     tokens_for_blocks,
 )
-from scoring.policy import RouteRequest, WorkerView, make_policy
+from scoring.policy import make_policy
+from scoring.views import RouteRequest, WorkerView
 from workers.sim.engine import Engine, EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, Router, SimulationResult, VirtualFleet

@@ -8,15 +8,15 @@ replayed several times, which takes hours over HTTP and seconds here. The routin
 `scoring` policy objects the gateway uses (`make_policy`, `choose`, `on_dispatch`), fed the same
 kind of `WorkerView`s, and the workers are the real `workers.sim` engine; only the clock is virtual.
 
-How a request is routed: its `RouteRequest.chain` is the chained 64-bit keys of its trace block
-ids (`bench.traces.chain_keys`, `--keys trace`, the default; `block_tokens` = trace block size)
-or, with `--keys gateway`, exactly what the gateway computes from the token-id prompt
-(`scoring.policy.route_request`). Views carry the engine's running/waiting/KV usage/capacity, this
-runner's in-flight count and the gateway's `prefill_tokens` bookkeeping: `Decision.prefill_tokens`
-is added at dispatch and removed at the request's first token, observed exactly (the fleet below
-hooks the virtual clock's token delivery). The snapshot is fresh at every decision: a real
-gateway's scraped numbers are up to a probe interval old, so this is the policy's best case on
-load signals, and the same best case for every policy.
+How a request is routed: its `RouteRequest.chain` is the chained 64-bit keys of its trace block ids
+(`bench.traces.chain_keys`, `--keys trace`, the default; `block_tokens` = trace block size) or, with
+`--keys gateway`, exactly what the gateway computes from the token-id prompt
+(`scoring.route_key.route_request`). Views carry the engine's running/waiting/KV usage/capacity,
+this runner's in-flight count and the gateway's `prefill_tokens` bookkeeping:
+`Decision.prefill_tokens` is added at dispatch and removed at the request's first token, observed
+exactly (the fleet below hooks the virtual clock's token delivery). The snapshot is fresh at every
+decision: a real gateway's scraped numbers are up to a probe interval old, so this is the policy's
+best case on load signals, and the same best case for every policy.
 
 Several gateway replicas (`--replicas N`): arrivals are spread over N replicas at random, each
 with its own policy state, learning the others' dispatches only as `--share` says (independent by
@@ -68,17 +68,12 @@ from bench.traces import (
     sample,
     scale_time,
 )
-from scoring.policy import (
-    POLICY_NAMES,
-    RouteRequest,
-    RoutingState,
-    WorkerView,
-    make_policy,
-    route_request,
-)
+from scoring.policy import POLICY_NAMES, make_policy
 from scoring.precise import PreciseIndex
 from scoring.prefix import block_keys, chain_hashes_tokens, seed_for, tail_layout
-from scoring.views import RoutingOptions, Weights
+from scoring.route_key import route_request
+from scoring.state import RoutingState
+from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 from workers.sim.engine import Engine, EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet

@@ -461,7 +461,7 @@ def serve_gateway(config: Path) -> int:
     """`kvgate serve`, with the state route: same app, same uvicorn settings, uvloop."""
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.asgi import create_app
     from gateway.cli import run_async
     from gateway.config import load_settings
     from gateway.logs import setup_logging

@@ -1,4 +1,4 @@
-"""The HTTP edge: routes, the request's walk, and the gateway's lifecycle.
+"""The gateway itself: the request's walk, and the gateway's lifecycle and live reload.
 
 The walk for a completion (`Gateway.completions`, top to bottom): authenticate the tenant
 (gateway/tenancy.py) -> read the capped body, parse and validate once (gateway/validate.py) ->
@@ -13,28 +13,21 @@ retries before the first byte (gateway/proxy.py) -> the relay streams SSE untouc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import hashlib
-import hmac
 import logging
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
-from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.admission import AdmissionController
 from gateway.autoscale import (
     AutoscaleCollector,
     AutoscaleSettings,
@@ -44,17 +37,13 @@ from gateway.autoscale import (
 )
 from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
-from gateway.config import AdmissionSettings as AdmissionConfig
-from gateway.config import (
-    ConfigWatcher,
-    KVEventSettings,
-    ProbeSettings,
-    RoutingSettings,
-    Settings,
-    WeightsSettings,
-    WorkerSettings,
-    load_settings,
-    to_core,
+from gateway.config import ConfigWatcher, RoutingSettings, Settings, to_core
+from gateway.core_settings import (
+    admission_settings,
+    precise_index,
+    registry_knobs,
+    routing_weights,
+    worker_spec,
 )
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
@@ -74,10 +63,10 @@ from gateway.settlement import Settlement
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
-from gateway.validate import CHAT, COMPLETIONS, parse_request, read_body
-from scoring.policy import Policy, RoutingState, make_policy
-from scoring.precise import PreciseIndex
-from scoring.views import RoutingOptions, Weights
+from gateway.validate import CHAT, parse_request, read_body
+from scoring.policy import Policy, make_policy
+from scoring.state import RoutingState
+from scoring.views import RoutingOptions
 from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
 from workers.registry import Health, Registry, Worker, WorkerSpec
@@ -89,57 +78,6 @@ log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # a dispatch still waiting this long gets a client-disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-def _spec(w: WorkerSettings) -> WorkerSpec:
-    return WorkerSpec(
-        name=w.name,
-        url=w.url,
-        weight=w.weight,
-        labels=dict(w.labels),
-        api_key=w.api_key,
-        kv_events=w.kv_events,
-        kv_events_replay=w.kv_events_replay,
-        kv_events_topic=w.kv_events_topic,
-        max_concurrency=w.max_concurrency,
-    )
-
-
-# [admission] fields the gateway reads itself (slots and the priority reserve, `worker_room`),
-# not the queue core.
-_ADMISSION_GATEWAY_ONLY = ("worker_concurrency", "priority_reserve", "reserve_min_priority")
-# [probes] fields the prober reads (schedule, deep probes), not the registry's health machine.
-_PROBES_PROBER_ONLY = ("interval_s", "timeout_s", "deep_every", "deep_timeout_s", "deep_model")
-
-
-def _admission(a: AdmissionConfig) -> AdmissionSettings:
-    return to_core(a, AdmissionSettings, gateway_only=_ADMISSION_GATEWAY_ONLY)
-
-
-def _weights(w: WeightsSettings) -> Weights:
-    return to_core(w, Weights)
-
-
-def _registry_knobs(p: ProbeSettings) -> dict[str, Any]:
-    """The [probes] settings the registry takes (health, breaker, outliers): every one of its
-    knobs must be a [probes] field, and every [probes] field a knob or the prober's."""
-    missing = Registry.KNOBS - set(ProbeSettings.model_fields)
-    unknown = set(ProbeSettings.model_fields) - Registry.KNOBS - set(_PROBES_PROBER_ONLY)
-    if missing or unknown:
-        raise TypeError(
-            f"[probes] vs Registry.KNOBS: missing {sorted(missing)}, unused {sorted(unknown)}"
-        )
-    return {k: getattr(p, k) for k in Registry.KNOBS}
-
-
-def _precise_index(k: KVEventSettings) -> PreciseIndex:
-    return PreciseIndex(
-        offload_weight=k.offload_weight,
-        pending_ttl_s=k.pending_ttl_s,
-        settle_s=k.settle_s,
-        stale_after_s=k.stale_after_s,
-        stale_after_dispatches=k.stale_after_dispatches,
-    )
 
 
 def _base_model(w: Worker) -> str | None:
@@ -157,12 +95,12 @@ class Gateway:
         self.metrics = GatewayMetrics()
         p = settings.probes
         self.registry = Registry(
-            (_spec(w) for w in settings.workers),
-            **_registry_knobs(p),
+            (worker_spec(w) for w in settings.workers),
+            **registry_knobs(p),
             on_change=self._on_health_change,
         )
         self.routing_options = RoutingOptions(**settings.routing.options)
-        self.precise = _precise_index(settings.routing.kv_events)
+        self.precise = precise_index(settings.routing.kv_events)
         self.routing_state = RoutingState(self.routing_options, self.precise)
         self.kv_fleet = KVEventFleet(
             PreciseSink(self.precise, self._worker_model, self._worker_block_size)
@@ -177,7 +115,7 @@ class Gateway:
         self.tenants = Tenants(settings)
         self.quota = QuotaGate(settings.quota, self.metrics)
         self.admission = AdmissionController(
-            _admission(settings.admission), observer=AdmissionMetrics(self.metrics)
+            admission_settings(settings.admission), observer=AdmissionMetrics(self.metrics)
         )
         self.metrics.registry.register(AdmissionCollector(self.admission))
         # [cluster]: other replicas' per-worker load, refreshed in the background (no Redis on
@@ -215,7 +153,7 @@ class Gateway:
     def _make_policy(self, r: RoutingSettings) -> Policy:
         return make_policy(
             r.policy,
-            weights=_weights(r.weights),
+            weights=routing_weights(r.weights),
             options=self.routing_options,
             state=self.routing_state,
         )
@@ -354,7 +292,7 @@ class Gateway:
         if r.policy != old.routing.policy or r.options != old.routing.options:
             self.policy = self._make_policy(r)  # same RoutingState: the index survives
         elif r.weights != old.routing.weights:
-            self.policy.set_weights(_weights(r.weights))
+            self.policy.set_weights(routing_weights(r.weights))
         if r.kv_events != old.routing.kv_events:
             k = r.kv_events
             p_ = self.precise
@@ -368,19 +306,19 @@ class Gateway:
                 log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
         if new.admission != old.admission:
-            self.admission.configure(_admission(new.admission))
+            self.admission.configure(admission_settings(new.admission))
         p = new.probes
         r = self.registry
-        r.configure(**_registry_knobs(p))
+        r.configure(**registry_knobs(p))
         if self.prober:
             self.prober.interval_s, self.prober.timeout_s = p.interval_s, p.timeout_s
             self.prober.deep_every, self.prober.deep_timeout_s = p.deep_every, p.deep_timeout_s
             self.prober.deep_model = p.deep_model
-        self._sync_workers([_spec(w) for w in new.workers])
+        self.sync_workers([worker_spec(w) for w in new.workers])
         setup_logging(new.logging.level, new.logging.format)
         self.metrics.config_reloads.inc()
 
-    def _sync_workers(self, specs: list[WorkerSpec]) -> None:
+    def sync_workers(self, specs: list[WorkerSpec]) -> None:
         added, removed = self.registry.sync(specs)
         for name in removed:
             self.metrics.forget_worker(name, [h.value for h in Health])
@@ -727,285 +665,3 @@ class Gateway:
 
     async def settle(self, call: Call) -> None:
         await self.settlement.settle(call)
-
-    async def models(self, request: Request) -> Response:
-        """OpenAI's /v1/models: a key is required (when tenants exist) and a tenant sees only the
-        models its allowlist grants, like the completion routes' 404 for the rest."""
-        try:
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        except APIError as e:
-            return e.response()
-        cards = self.registry.served_models()
-        allowed = tenant.cfg.models
-        if allowed:
-            cards = {m: c for m, c in cards.items() if m in allowed}
-        data = [
-            {
-                "id": mid,
-                "object": "model",
-                "created": card.get("created", int(self.started_at)),
-                "owned_by": card.get("owned_by", "kvgate"),
-                **{
-                    k: v
-                    for k, v in card.items()
-                    if k not in ("id", "object", "created", "owned_by")
-                },
-            }
-            for mid, card in sorted(cards.items())
-        ]
-        return Response(
-            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
-        )
-
-    async def health(self, request: Request) -> Response:
-        if self.processes is not None:
-            return JSONResponse(self.processes.health())
-        return Response(b"", 200)
-
-    async def ready(self, request: Request) -> Response:
-        healthy = len(self.registry.healthy())
-        ok = bool(healthy) and not self.draining
-        body: dict[str, Any] = {
-            "ready": ok,
-            "draining": self.draining,
-            "healthy_workers": healthy,
-            "workers": len(self.registry.workers),
-        }
-        if self.processes is not None:
-            body.update(self.processes.health())
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def prom(self, request: Request) -> Response:
-        if self.settings.admin.metrics_require_key:
-            try:
-                self._admin(request)
-            except APIError as e:
-                return e.response()
-        if self.processes is not None:
-            body = await self.processes.scrape()
-        else:
-            body = generate_latest(self.metrics.registry)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    # -- admin -------------------------------------------------------------------------------------
-    def _admin(self, request: Request) -> None:
-        want = self.settings.admin.key_sha256
-        if not want:
-            raise APIError(
-                403, "admin endpoints are disabled (set admin.key_sha256)", "permission_error"
-            )
-        auth = request.headers.get("authorization", "")
-        key = auth[7:] if auth[:7].lower() == "bearer " else ""
-        got = hashlib.sha256(key.encode()).hexdigest()
-        if not key or not hmac.compare_digest(got, want.lower()):
-            raise APIError(401, "invalid admin key", "authentication_error", code="invalid_api_key")
-
-    async def admin_workers(self, request: Request) -> Response:
-        try:
-            self._admin(request)
-            if request.method == "POST":
-                try:
-                    spec = WorkerSettings.model_validate(orjson.loads(await request.body()))
-                except (orjson.JSONDecodeError, ValueError) as e:
-                    raise APIError(400, f"invalid worker: {e}", "invalid_request_error") from None
-                if spec.name in self.registry.workers:
-                    raise APIError(409, f"worker {spec.name!r} exists", "invalid_request_error")
-                self._sync_workers([*(w.spec for w in self.registry.workers.values()), _spec(spec)])
-                return JSONResponse({"added": spec.name}, status_code=201)
-            return JSONResponse(
-                {"workers": [_worker_doc(w) for w in self.registry.workers.values()]}
-            )
-        except APIError as e:
-            return e.response()
-
-    async def admin_worker(self, request: Request) -> Response:
-        try:
-            self._admin(request)
-            name = request.path_params["name"]
-            if name not in self.registry.workers:
-                raise APIError(404, f"no worker {name!r}", "invalid_request_error")
-            self._sync_workers([w.spec for w in self.registry.workers.values() if w.name != name])
-            return JSONResponse({"removed": name})
-        except APIError as e:
-            return e.response()
-
-    async def admin_drain(self, request: Request) -> Response:
-        """Drain a worker for a rolling update: POST stops new requests to it (in-flight ones
-        finish), GET polls until ``drained``, DELETE readmits it. The state lives in this gateway
-        process: with several replicas, drain the worker on each of them."""
-        try:
-            self._admin(request)
-            name = request.path_params["name"]
-            w = self.registry.workers.get(name)
-            if w is None:
-                raise APIError(404, f"no worker {name!r}", "invalid_request_error")
-            if request.method != "GET":
-                self.registry.drain(name, request.method == "POST")
-                log.warning("worker %s %s", name, "draining" if w.draining else "undrained")
-            return JSONResponse(
-                {
-                    "name": name,
-                    "draining": w.draining,
-                    "in_flight": w.in_flight,
-                    "drained": w.drained,
-                    "health": w.health.value,
-                }
-            )
-        except APIError as e:
-            return e.response()
-
-    async def admin_reload(self, request: Request) -> Response:
-        try:
-            self._admin(request)
-            if self.watcher is None:
-                raise APIError(
-                    409, "gateway was started without a config file", "invalid_request_error"
-                )
-            ok = self.watcher.reload()
-            if not ok:
-                raise APIError(
-                    400,
-                    "config rejected; the running config is unchanged (see logs)",
-                    "invalid_request_error",
-                )
-            if self.processes is not None:
-                self.processes.reload_all()
-            return JSONResponse({"reloaded": True})
-        except APIError as e:
-            return e.response()
-
-
-def _worker_doc(w: Worker) -> dict[str, object]:
-    m = w.metrics
-    return {
-        "name": w.name,
-        "url": w.url,
-        "health": w.health.value,
-        "models": sorted(w.models),
-        "in_flight": w.in_flight,
-        "running": m.running,
-        "waiting": m.waiting,
-        "kv_usage": m.kv_usage,
-        "block_size": m.block_size,
-        "num_blocks": m.num_blocks,
-        "consecutive_failures": w.consecutive_failures,
-        "last_error": w.last_error,
-        "draining": w.draining,
-        "drained": w.drained,
-        "ejection_reason": w.ejection_reason or None,
-        "ejected_for_s": round(max(0.0, w.ejected_until - time.monotonic()), 3),
-        "error_rate": round(w.error_rate, 3),
-        "ttft_median_s": w.ttft_median(),
-        "labels": w.spec.labels,
-        "weight": w.spec.weight,
-    }
-
-
-def create_app(settings: Settings, config_path: Path | None = None) -> FastPathApp:
-    gw = Gateway(settings, config_path)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    routes = [
-        Route(CHAT, gw.completions, methods=["POST"]),
-        Route(COMPLETIONS, gw.completions, methods=["POST"]),
-        Route("/v1/models", gw.models, methods=["GET"]),
-        Route("/health", gw.health, methods=["GET"]),
-        Route("/ready", gw.ready, methods=["GET"]),
-        Route("/metrics", gw.prom, methods=["GET"]),
-        Route("/admin/workers", gw.admin_workers, methods=["GET", "POST"]),
-        Route("/admin/workers/{name}", gw.admin_worker, methods=["DELETE"]),
-        Route("/admin/workers/{name}/drain", gw.admin_drain, methods=["GET", "POST", "DELETE"]),
-        Route("/admin/reload", gw.admin_reload, methods=["POST"]),
-    ]
-
-    async def on_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, "internal gateway error", "internal_error").response()
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return APIError(404, f"no route {request.url.path}", "invalid_request_error").response()
-
-    async def bad_method(request: Request, exc: Exception) -> Response:
-        return APIError(
-            405, f"method {request.method} not allowed", "invalid_request_error"
-        ).response()
-
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={Exception: on_error, 404: not_found, 405: bad_method},
-    )
-    app.state.gateway = gw
-    return FastPathApp(app, gw)
-
-
-def _header_bytes(scope: Scope) -> int:
-    return sum(len(k) + len(v) for k, v in scope["headers"])
-
-
-class FastPathApp:
-    """The two completion routes go straight to the walk; everything else through Starlette.
-
-    Starlette's error middleware, exception middleware and router cost tens of microseconds per
-    request on the hot path; the walk already answers every failure with an OpenAI envelope.
-    """
-
-    def __init__(self, app: Starlette, gw: Gateway) -> None:
-        self.app = app
-        self.state = app.state
-        self._gw = gw
-        self._active = 0  # completion requests being served (the edge's concurrency cap)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and _header_bytes(scope) > self._gw.settings.server.max_header_bytes
-        ):
-            err = APIError(
-                431,
-                "Request headers too large",
-                "invalid_request_error",
-                code="request_header_fields_too_large",
-            )
-            self._gw.metrics.rejected.labels("431").inc()
-            await err.response()(scope, receive, send)
-            return
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and scope["path"] in (CHAT, COMPLETIONS)
-        ):
-            if self._active >= self._gw.settings.server.max_concurrent_requests:
-                # A flood of connections must not become a flood of tasks, buffers and queue
-                # entries: past the cap, a cheap refusal before anything is read.
-                self._gw.metrics.rejected.labels("503").inc()
-                err = APIError(
-                    503,
-                    "The gateway is serving too many requests at once; retry shortly.",
-                    "service_unavailable",
-                    code="too_many_connections",
-                    retry_after_s=1.0,
-                )
-                await err.response()(scope, receive, send)
-                return
-            self._active += 1
-            try:
-                response = await self._gw.completions(Request(scope, receive))
-                await response(scope, receive, send)
-            finally:
-                self._active -= 1
-            return
-        await self.app(scope, receive, send)
-
-
-def app_from_file(path: str | Path) -> FastPathApp:
-    settings = load_settings(path)
-    setup_logging(settings.logging.level, settings.logging.format)
-    return create_app(settings, Path(path))

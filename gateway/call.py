@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scoring.policy import Decision, RouteRequest
+from scoring.views import Decision, RouteRequest
 from workers.registry import Worker
 
 if TYPE_CHECKING:

@@ -52,7 +52,7 @@ async def _serve(
     passes a short one. `on_ready(app)` runs once the socket listens. `child`: one of
     `--processes N`'s children, on a SO_REUSEPORT socket of its own (gateway/supervisor.py).
     """
-    from gateway.app import create_app
+    from gateway.asgi import create_app
     from gateway.server import build_server
 
     app = create_app(settings, config_path)

@@ -90,7 +90,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import ClusterSettings
 from scoring.learned import Journal, apply_learned
-from scoring.policy import RoutingState
+from scoring.state import RoutingState
 from workers.learned_share import decode_batch, encode_batch
 from workers.load_view import Load, LoadView, encode_snapshot
 from workers.registry import Registry

@@ -1,7 +1,7 @@
 """The route key: what routing knows of a request before choosing a worker (prompt-prefix block
 hashes in the tenant's namespace, the session id, priority, the precise index's block chain).
 
-Text mode hashes the rendered prompt (scoring.policy.route_request). Token mode
+Text mode hashes the rendered prompt (scoring.route_key.route_request). Token mode
 (`[routing.token_mode]`) keys on the worker's own tokens and blocks, so the approximate index
 agrees with vLLM's prefix cache block for block; its tokenizer runs in a thread for big bodies
 (it would stall every other stream), and a request it cannot tokenize falls back to text mode
@@ -17,9 +17,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gateway.config import TokenModeSettings
-from scoring.policy import Policy, RouteRequest, route_request, session_id_from
+from scoring.policy import Policy
+from scoring.route_key import route_request, session_id_from
 from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
-from scoring.views import RoutingOptions, WorkerView
+from scoring.views import RouteRequest, RoutingOptions, WorkerView
 
 
 def load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:

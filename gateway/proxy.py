@@ -30,7 +30,8 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamStreamError,
 )
-from scoring.policy import Decision, Policy
+from scoring.policy import Policy
+from scoring.views import Decision
 from workers.registry import Registry, Worker
 
 log = logging.getLogger("kvgate.proxy")

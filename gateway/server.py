@@ -516,7 +516,7 @@ def uvicorn_config(app: Any, server: ServerSettings, guard: ConnectionGuard) -> 
 def build_server(
     app: Any, server: ServerSettings, *, drain_grace_s: float | None = None
 ) -> DrainingServer:
-    """The gateway's uvicorn server; `app` is `gateway.app.create_app`'s (its state holds the
+    """The gateway's uvicorn server; `app` is `gateway.asgi.create_app`'s (its state holds the
     `Gateway` to drain). `drain_grace_s` None: the configured `server.drain_grace_s`."""
     guard = ConnectionGuard(
         max_connections=effective_max_connections(server.max_connections),

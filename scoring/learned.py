@@ -21,7 +21,7 @@ from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from scoring.policy import RoutingState
+    from scoring.state import RoutingState
 
 __all__ = ["Journal", "Learned", "apply_learned"]
 

@@ -43,7 +43,7 @@ class WorkerView:
 class RouteRequest:
     """The routing key of one request, computed once per request and reused across retries.
 
-    Build it with ``scoring.policy.route_request`` (which renders and hashes the prompt) rather
+    Build it with ``scoring.route_key.route_request`` (which renders and hashes the prompt) rather
     than by hand, so the chain uses the same block size and seed as the index.
     """
 

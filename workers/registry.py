@@ -58,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from scoring.policy import WorkerView
+from scoring.views import WorkerView
 from workers.vllm_metrics import WorkerMetrics
 
 

@@ -9,8 +9,10 @@ import random
 import pytest
 
 from bench.replicas import ReplicaSync, ShareModel, learned_state
-from scoring.policy import RouteRequest, RoutingOptions, RoutingState, WorkerView, make_policy
+from scoring.policy import make_policy
 from scoring.precise import PreciseIndex
+from scoring.state import RoutingState
+from scoring.views import RouteRequest, RoutingOptions, WorkerView
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 # 160 x 16 KV tokens = 160 index entries of 16 tokens per worker: the script below dispatches more

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.app import create_app
+from gateway.asgi import create_app
 from gateway.server import ConnectionGuard, build_server
 from tests.faults.conftest import (
     KEY_OPEN,

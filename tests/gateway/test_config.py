@@ -106,7 +106,8 @@ def test_watcher_applies_valid_and_keeps_running_config_on_invalid(tmp_path: Pat
 
 
 def test_example_routing_options_drive_a_real_routing_decision() -> None:
-    from scoring.policy import make_policy, route_request
+    from scoring.policy import make_policy
+    from scoring.route_key import route_request
     from scoring.views import WorkerView
 
     s = load_settings(ROOT / "config.example.toml")

@@ -9,7 +9,6 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.admission import AdmissionSettings as AdmissionCore
-from gateway.app import _ADMISSION_GATEWAY_ONLY, _admission, _registry_knobs, _weights
 from gateway.autoscale import AutoscaleSettings as AutoscaleCore
 from gateway.config import (
     AdmissionSettings,
@@ -20,6 +19,10 @@ from gateway.config import (
     WeightsSettings,
     to_core,
 )
+from gateway.core_settings import ADMISSION_GATEWAY_ONLY as _ADMISSION_GATEWAY_ONLY
+from gateway.core_settings import admission_settings as _admission
+from gateway.core_settings import registry_knobs as _registry_knobs
+from gateway.core_settings import routing_weights as _weights
 from scoring.views import Weights
 
 
@@ -70,7 +73,7 @@ def test_autoscale_section_is_checked_by_the_formulas_own_rules(tmp_path) -> Non
 
 
 def test_autoscale_and_outlier_settings_apply_on_reload() -> None:
-    from gateway.app import create_app
+    from gateway.asgi import create_app
 
     s = Settings(workers=[{"name": "w0", "url": "http://127.0.0.1:9"}])
     gw = create_app(s, None).state.gateway

@@ -9,7 +9,7 @@ from gateway.quota import TenantLimits
 from gateway.quota_gate import Ticket
 from gateway.settlement import charge, usage_record
 from gateway.tenancy import Tenant
-from scoring.policy import RouteRequest
+from scoring.views import RouteRequest
 
 
 def account(discount: float = 0.0, reserved: int | None = 900) -> Account:

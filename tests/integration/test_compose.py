@@ -178,7 +178,7 @@ def test_dockerfile_copies_every_package_the_gateway_imports() -> None:
     copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.M))
     # Top-level names of the modules loaded from the work tree itself (not from .venv/).
     probe = (
-        "import sys, pathlib, gateway.cli, gateway.app\n"
+        "import sys, pathlib, gateway.cli, gateway.asgi\n"
         f"root = pathlib.Path({str(REPO_ROOT)!r})\n"
         "files = [pathlib.Path(getattr(m, '__file__', None) or '/') for m in sys.modules.values()]\n"
         "parts = [f.relative_to(root).parts for f in files if f.is_relative_to(root)]\n"

@@ -6,8 +6,10 @@ from __future__ import annotations
 import random
 
 from scoring.learned import Journal, Learned, apply_learned
-from scoring.policy import RoutingState, make_policy, route_request
+from scoring.policy import make_policy
+from scoring.route_key import route_request
 from scoring.session import SessionTable
+from scoring.state import RoutingState
 from scoring.views import RoutingOptions, WorkerView
 
 WORKERS = [f"w{i}" for i in range(4)]

@@ -26,7 +26,9 @@ from typing import Any
 
 import pytest
 
-from scoring.policy import WorkerView, make_policy, route_request
+from scoring.policy import make_policy
+from scoring.route_key import route_request
+from scoring.views import WorkerView
 
 FIXTURE = Path(__file__).with_name("pinned_decisions.json")
 

@@ -6,23 +6,19 @@ from collections import Counter
 
 import pytest
 
+from scoring.kv_aware import KVAware
 from scoring.policy import (
     POLICY_NAMES,
-    KVAware,
     LeastLoaded,
     Policy,
     PrefixAffinity,
     RoundRobin,
-    RouteRequest,
-    RoutingOptions,
     SessionAffinity,
-    Weights,
-    WorkerView,
     make_policy,
-    route_request,
-    session_id_from,
 )
 from scoring.prefix import render_chat, text_key
+from scoring.route_key import route_request, session_id_from
+from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 
 SYSTEM = "You are the support assistant of ACME. Follow the policy below exactly. " * 60  # ~4.3k
 

@@ -3,7 +3,8 @@ from collections import Counter
 
 import pytest
 
-from scoring.policy import LeastLoaded, RoundRobin, RouteRequest, WorkerView, make_policy
+from scoring.policy import LeastLoaded, RoundRobin, make_policy
+from scoring.views import RouteRequest, WorkerView
 
 REQ = RouteRequest(model="m")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
-from scoring.policy import RoutingState, make_policy
+from scoring.policy import make_policy
 from scoring.precise import PreciseIndex
 from scoring.prefix import block_keys, seed_for, tail_layout
+from scoring.state import RoutingState
 from scoring.views import RouteRequest, RoutingOptions, WorkerView
 
 BS = 16

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scoring.policy import KVAware, RouteRequest, RoutingOptions, WorkerView
+from scoring.kv_aware import KVAware
 from scoring.signals import (
     affinity_yield,
     is_saturated,
@@ -19,6 +19,7 @@ from scoring.signals import (
     session_signal,
     tenant_signal,
 )
+from scoring.views import RouteRequest, RoutingOptions, WorkerView
 
 OPTS = RoutingOptions()
 

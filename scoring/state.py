@@ -1,0 +1,155 @@
+"""What learning policies know about the fleet, and the hooks that teach it to them.
+
+``RoutingState`` (approximate prefix index, precise index, session table, replication journal)
+outlives any one policy object, so a weight reload or a policy switch forgets nothing; it is kept
+apart from the policies because the gateway, its replicas (``gateway.cluster``) and the simulator
+hold and feed it directly. ``_Learning`` is the plumbing the learning policies share (``prefix``,
+``session`` in ``scoring.policy``; ``kv_aware`` in ``scoring.kv_aware``): what a dispatch, a first
+token or a departed worker teaches the state.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from scoring.index import PrefixIndex
+from scoring.learned import Journal, Learned
+from scoring.precise import PreciseIndex
+from scoring.session import SessionTable
+from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
+
+__all__ = ["RoutingState"]
+
+
+class RoutingState:
+    """What learning policies know about the fleet; outlives weight reloads and policy swaps."""
+
+    def __init__(
+        self, options: RoutingOptions | None = None, precise: PreciseIndex | None = None
+    ) -> None:
+        o = options or RoutingOptions()
+        self.index = PrefixIndex(o.default_capacity_blocks, o.max_capacity_blocks)
+        # What workers with KV events really hold; fed by their events, not by our decisions, so
+        # it survives option changes (its keys depend on token ids and block size only).
+        self.precise = precise
+        self.sessions = SessionTable(o.session_ttl_s, o.session_max)
+        # Set by a gateway whose replicas share what they learn (gateway.cluster): every dispatch
+        # is noted here for the others, besides being learned locally.
+        self.journal: Journal | None = None
+        self._key = o.key_fields()
+        self._text_block_tokens = o.text_block_tokens
+        self._reported: dict[str, tuple[int, int]] = {}  # worker -> (num_blocks, block_size) seen
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The options chains are hashed under (``RoutingOptions.key_fields``)."""
+        return self._key
+
+    def configure(self, o: RoutingOptions) -> None:
+        """Adopt new options; chains hashed under other block sizes mean nothing now, so forget."""
+        if o.key_fields() != self._key:
+            self.index = PrefixIndex(o.default_capacity_blocks, o.max_capacity_blocks)
+            self._reported.clear()
+            self._key = o.key_fields()
+        else:
+            self.index.default_capacity = o.default_capacity_blocks
+            self.index.max_capacity = o.max_capacity_blocks
+            if o.text_block_tokens != self._text_block_tokens:
+                self._reported.clear()  # capacities are in index blocks: recompute them
+        self._text_block_tokens = o.text_block_tokens
+        self.sessions.ttl_s = o.session_ttl_s
+        self.sessions.max_size = o.session_max
+
+    def sync_capacity(self, w: WorkerView) -> None:
+        """Size a worker's index budget from its reported KV cache (num_gpu_blocks * block_size)."""
+        if not (w.num_blocks and w.block_size):
+            return
+        key = (w.num_blocks, w.block_size)
+        if self._reported.get(w.name) != key:
+            self._reported[w.name] = key
+            blocks = int(w.num_blocks * w.block_size / self._text_block_tokens)
+            self.index.set_capacity(w.name, blocks)
+
+    def forget_worker(self, name: str) -> None:
+        self.index.remove_worker(name)
+        if self.precise is not None:
+            self.precise.remove_worker(name)
+        self.sessions.remove_worker(name)
+        self._reported.pop(name, None)
+
+
+class _Learning:
+    """Shared plumbing of the policies that keep a RoutingState."""
+
+    name: str
+    needs_chain: bool
+
+    def __init__(
+        self,
+        *,
+        weights: Weights | None = None,
+        options: RoutingOptions | None = None,
+        rng: random.Random | None = None,
+        state: RoutingState | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.weights = weights or Weights()
+        self.options = options or RoutingOptions()
+        self.state = state or RoutingState(self.options)
+        if state is not None:
+            state.configure(self.options)
+        self._rng = rng or random.Random()
+        self._clock = clock or time.monotonic
+
+    def set_weights(self, weights: Weights) -> None:
+        # One attribute swap: a decision in progress keeps the object it already read.
+        self.weights = weights
+
+    def set_options(self, options: RoutingOptions) -> None:
+        self.state.configure(options)
+        self.options = options
+
+    def on_worker_removed(self, name: str) -> None:
+        self.state.forget_worker(name)
+
+    def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
+        state = self.state
+        if self.needs_chain and request.chain:
+            state.index.record(
+                worker_name, request.chain, dense=request.dense_blocks, tail_ends=request.tail_ends
+            )
+        now = self._clock()
+        if state.precise is not None and request.block_chain:
+            state.precise.note_dispatch(worker_name, request.block_chain, now)
+        if request.session_id:
+            state.sessions.put(request.session_id, worker_name, now, request.prompt_tokens)
+        if state.journal is not None:
+            state.journal.note(
+                Learned(
+                    worker_name,
+                    request.chain if self.needs_chain else (),
+                    request.dense_blocks,
+                    request.tail_ends,
+                    request.session_id,
+                    request.prompt_tokens,
+                    now,
+                    request.block_chain if state.precise is not None else (),
+                )
+            )
+
+    def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
+        state = self.state
+        precise = state.precise
+        if precise is not None and request.block_chain:
+            now = self._clock()
+            precise.dispatch_done(worker_name, request.block_chain, now)
+            if state.journal is not None:
+                state.journal.note(
+                    Learned(worker_name, (), 0, (), None, 0, now, request.block_chain, True)
+                )
+
+    def _pick(self, ties: list[Any]) -> Any:
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
