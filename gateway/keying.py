@@ -35,6 +35,60 @@ def load_keyers(t: TokenModeSettings) -> dict[str, TokenKeyer]:
     }
 
 
+def route_key_now(
+    *,
+    needs_chain: bool,
+    keyer: TokenKeyer | None,
+    block_size: int,
+    options: RoutingOptions,
+    is_chat: bool,
+    data: Mapping[str, Any],
+    model: str,
+    namespace: str,
+    session_id: str | None,
+    tenant_priority: float,
+    request_id: str,
+    precise: bool,
+) -> RouteRequest:
+    """The route key, computed in this thread: the one keying path, which the gateway (through
+    `route_key`) and the offline simulator (bench/simulate.py) both take. ``keyer`` None: text
+    mode; ``block_size`` the workers' (token mode); ``precise`` whether a KV-event index wants
+    the block chain."""
+    salt = data.get("cache_salt")
+    cache_salt = salt if isinstance(salt, str) else None
+    kind = "chat" if is_chat else "completion"
+    chain_blocks = options.precise_max_blocks if precise else 0
+    key = None
+    if keyer is not None and needs_chain:
+        with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
+            key = keyer.key(
+                kind,
+                data,
+                model=model,
+                namespace=namespace,
+                cache_salt=cache_salt,
+                block_size=block_size,
+                max_blocks=options.max_blocks,
+                tail_ratio=options.tail_ratio,
+                tail_blocks=options.tail_blocks,
+                block_chain_blocks=chain_blocks,
+            )
+    route = route_request(
+        kind,
+        data,
+        model=model,
+        namespace=namespace,
+        cache_salt=cache_salt,
+        tenant_priority=tenant_priority,
+        session_id=session_id,
+        request_id=request_id,
+        options=options,
+        hash_prefix=needs_chain and key is None,
+        block_chain_blocks=chain_blocks,
+    )
+    return route if key is None else with_key(route, key)
+
+
 async def route_key(
     *,
     policy: Policy,
@@ -54,43 +108,25 @@ async def route_key(
     precise: bool,
 ) -> RouteRequest:
     """The request's route key; ``views`` are the model's candidates (token mode reads their
-    block size), ``precise`` whether a KV-event index wants the block chain."""
-    salt = data.get("cache_salt")
-    cache_salt = salt if isinstance(salt, str) else None
-    kind = "chat" if is_chat else "completion"
+    block size). A big body's tokenization runs in a thread (`route_key_now` there)."""
     needs_chain = getattr(policy, "needs_chain", False)
     keyer = keyers.get(model) if needs_chain else None
-    chain_blocks = options.precise_max_blocks if precise else 0
-    key = None
-    if keyer is not None:
-        bs = next((v.block_size for v in views if v.block_size), 16)
-        keying = functools.partial(
-            keyer.key,
-            kind,
-            data,
-            model=model,
-            namespace=namespace,
-            cache_salt=cache_salt,
-            block_size=bs,
-            max_blocks=options.max_blocks,
-            tail_ratio=options.tail_ratio,
-            tail_blocks=options.tail_blocks,
-            block_chain_blocks=chain_blocks,
-        )
-        with contextlib.suppress(TokenKeyError):  # the worker rejects it too: text mode
-            big = raw_len > token_mode.offload_bytes
-            key = await asyncio.to_thread(keying) if big else keying()
-    route = route_request(
-        kind,
-        data,
+    bs = next((v.block_size for v in views if v.block_size), 16) if keyer is not None else 16
+    now = functools.partial(
+        route_key_now,
+        needs_chain=needs_chain,
+        keyer=keyer,
+        block_size=bs,
+        options=options,
+        is_chat=is_chat,
+        data=data,
         model=model,
         namespace=namespace,
-        cache_salt=cache_salt,
-        tenant_priority=tenant_priority,
         session_id=session_id_from(headers, data, session_header),
+        tenant_priority=tenant_priority,
         request_id=request_id,
-        options=options,
-        hash_prefix=needs_chain and key is None,
-        block_chain_blocks=chain_blocks,
+        precise=precise,
     )
-    return route if key is None else with_key(route, key)
+    if keyer is not None and raw_len > token_mode.offload_bytes:
+        return await asyncio.to_thread(now)
+    return now()
