@@ -36,7 +36,8 @@ from bench.traces import (
 )
 from scoring.policy import make_policy
 from scoring.views import RouteRequest, WorkerView
-from workers.sim.engine import Engine, EngineConfig, SimRequest
+from workers.sim.engine import Engine
+from workers.sim.engine_types import EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, Router, SimulationResult, VirtualFleet
 from workers.sim.vclock import percentile as pct

@@ -68,13 +68,15 @@ from bench.traces import (
     sample,
     scale_time,
 )
+from gateway.keying import route_key_now
+from gateway.tokenizers import sim_token_keyer
 from scoring.policy import POLICY_NAMES, make_policy
 from scoring.precise import PreciseIndex
-from scoring.prefix import block_keys, chain_hashes_tokens, seed_for, tail_layout
-from scoring.route_key import route_request
+from scoring.prefix import seed_for
 from scoring.state import RoutingState
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
-from workers.sim.engine import Engine, EngineConfig, SimRequest
+from workers.sim.engine import Engine
+from workers.sim.engine_types import EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet
 
@@ -82,6 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = MOONCAKE_TRACE
 DEFAULT_POLICIES = "round_robin,least_loaded,prefix,kv_aware"
 MODEL = "sim-llama"
+DEFAULT_PRIORITY = 0.5  # a request with no tenant's priority, as the gateway gives it
 
 
 # ==================================================================================================
@@ -277,6 +280,8 @@ class PolicyRouter:
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
         self.block_size = 16
         self.root = seed_for(MODEL, "", "")
+        # Token mode's keyer: requests arrive with token-id prompts, so it tokenizes nothing.
+        self.keyer = sim_token_keyer()
 
     @property
     def prefill(self) -> list[int]:
@@ -322,45 +327,26 @@ class PolicyRouter:
                 idx.clear(name)
 
     def route_key(self, arrival: Arrival) -> RouteRequest:
+        """The request's route key. With the gateway's keys (`--keys gateway`, and every
+        `kv_aware_precise` run, keyed as token mode keys) it is the gateway's own keying
+        (gateway.keying.route_key_now) over the body the request would arrive as: a completion
+        with token-id prompt, its session in the session header; with the trace's keys, its
+        block ids."""
         req = self.requests[arrival.request.request_id]
-        if self.precise is not None:
-            # What the gateway's token mode builds (scoring.token_mode.TokenKeyer.key + with_key):
-            # the dense-head-and-tail chain for the approximate index (its dispatch history
-            # still feeds the kv signal's index fill) and one key per engine block for the
-            # precise index.
-            ids = arrival.request.prompt_token_ids
-            bs, o = self.block_size, self.options
-            chain = chain_hashes_tokens(
-                ids,
-                block_size=bs,
-                seed=self.root,
-                max_blocks=o.max_blocks,
-                tail_ratio=o.tail_ratio,
-                tail_blocks=o.tail_blocks,
-            )
-            ends = tail_layout(o.max_blocks, o.tail_ratio, o.tail_blocks) if o.tail_ratio else ()
-            n_blocks = min(len(ids) // bs, o.precise_max_blocks)
-            return RouteRequest(
-                model=MODEL,
-                request_id=req.request_id,
-                chain=tuple(chain),
-                block_tokens=float(bs),
-                prompt_tokens=req.input_length,
-                session_id=req.session_id,
-                dense_blocks=o.max_blocks,
-                tail_ends=ends,
-                block_chain=tuple(block_keys(ids, bs, MODEL, "", n_blocks)),
-            )
-        if self.keys == "gateway":
-            body = {"model": MODEL, "prompt": arrival.request.prompt_token_ids}
-            return route_request(
-                "completion",
-                body,
-                model=MODEL,
-                session_id=req.session_id,
-                request_id=req.request_id,
+        if self.precise is not None or self.keys == "gateway":
+            return route_key_now(
+                needs_chain=self.policy.needs_chain,
+                keyer=self.keyer if self.precise is not None else None,
+                block_size=self.block_size,
                 options=self.options,
-                hash_prefix=self.policy.needs_chain,
+                is_chat=False,
+                data={"model": MODEL, "prompt": arrival.request.prompt_token_ids},
+                model=MODEL,
+                namespace="",
+                session_id=req.session_id,
+                tenant_priority=DEFAULT_PRIORITY,
+                request_id=req.request_id,
+                precise=self.precise is not None,
             )
         chain = tuple(chain_keys(req)) if self.policy.needs_chain else ()
         return RouteRequest(

@@ -28,13 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import AdmissionController
-from gateway.autoscale import (
-    AutoscaleCollector,
-    AutoscaleSettings,
-    DesiredWorkers,
-    fleet_loads,
-    request_tokens,
-)
+from gateway.autoscale import AutoscaleCollector, fleet_loads
 from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
 from gateway.config import ConfigWatcher, RoutingSettings, Settings, to_core
@@ -45,6 +39,7 @@ from gateway.core_settings import (
     routing_weights,
     worker_spec,
 )
+from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_tokens
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
@@ -69,10 +64,11 @@ from scoring.state import RoutingState
 from scoring.views import RoutingOptions
 from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
-from workers.registry import Health, Registry, Worker, WorkerSpec
+from workers.registry import Registry
+from workers.worker import Health, Worker, WorkerSpec
 
 if TYPE_CHECKING:
-    from gateway.supervisor import Siblings
+    from gateway.process_child import Siblings
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -146,8 +142,8 @@ class Gateway:
         self.watcher: ConfigWatcher | None = None
         self.started_at = time.time()
         self.draining = False
-        # One of `kvgate serve --processes N`'s children (gateway/supervisor.py sets it): /metrics
-        # then answers for every process, /health and /ready say which one answered.
+        # One of `kvgate serve --processes N`'s children (gateway/process_child.py sets it):
+        # /metrics then answers for every process, /health and /ready say which one answered.
         self.processes: Siblings | None = None
 
     def _make_policy(self, r: RoutingSettings) -> Policy:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scoring.views import Decision, RouteRequest
-from workers.registry import Worker
+from workers.worker import Worker
 
 if TYPE_CHECKING:
-    from gateway.autoscale import InFlight
+    from gateway.desired_workers import InFlight
     from gateway.quota_gate import Ticket
     from gateway.tenancy import Tenant
 

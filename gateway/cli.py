@@ -24,7 +24,7 @@ from gateway.config import ConfigError, Settings, load_settings
 from gateway.logs import setup_logging
 
 if TYPE_CHECKING:
-    from gateway.supervisor import ChildSpec
+    from gateway.process_child import ChildSpec
 
 DEFAULT_CONFIG = "config.example.toml"
 # `kvgate dev`'s drain on Ctrl-C: long enough for a short request to finish, short enough that
@@ -50,7 +50,7 @@ async def _serve(
 
     `drain_grace_s` None: the configured `server.drain_grace_s` (`kvgate serve`); the dev runner
     passes a short one. `on_ready(app)` runs once the socket listens. `child`: one of
-    `--processes N`'s children, on a SO_REUSEPORT socket of its own (gateway/supervisor.py).
+    `--processes N`'s children, on a SO_REUSEPORT socket of its own (gateway/process_child.py).
     """
     from gateway.asgi import create_app
     from gateway.server import build_server
@@ -58,7 +58,7 @@ async def _serve(
     app = create_app(settings, config_path)
     server = build_server(app, settings.server, drain_grace_s=drain_grace_s)
     if child is not None:
-        from gateway.supervisor import run_child
+        from gateway.process_child import run_child
 
         await run_child(app, server, child)
         return
@@ -86,7 +86,8 @@ def run_async(coro) -> None:  # type: ignore[no-untyped-def]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.supervisor import ChildSpec, process_count, supervise
+    from gateway.process_child import ChildSpec
+    from gateway.supervisor import process_count, supervise
 
     child = ChildSpec.from_arg(args.child) if args.child else None
     if child is not None:

@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gateway.autoscale import AutoscaleSettings as AutoscaleCore
+from gateway.desired_workers import AutoscaleSettings as AutoscaleCore
 
 _T = TypeVar("_T")
 
@@ -466,7 +466,7 @@ def _section_of(core: type, doc: str) -> type[_Section]:
     )
 
 
-# Targets and bounds of `kvgate_autoscale_desired_workers` (gateway/autoscale.py: the formula).
+# Targets and bounds of `kvgate_autoscale_desired_workers` (formula: gateway/desired_workers.py).
 AutoscaleSettings = _section_of(AutoscaleCore, "[autoscale]: the desired-workers formula's knobs")
 
 

@@ -22,7 +22,8 @@ from gateway.config import (
 )
 from scoring.precise import PreciseIndex
 from scoring.views import Weights
-from workers.registry import Registry, WorkerSpec
+from workers.registry import Registry
+from workers.worker import WorkerSpec
 
 
 def worker_spec(w: WorkerSettings) -> WorkerSpec:

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.config import WorkerSettings
 from gateway.core_settings import worker_spec
 from gateway.errors import APIError
-from workers.registry import Worker
+from workers.worker import Worker
 
 if TYPE_CHECKING:
     from gateway.app import Gateway

@@ -32,7 +32,8 @@ from gateway.upstream import (
 )
 from scoring.policy import Policy
 from scoring.views import Decision
-from workers.registry import Registry, Worker
+from workers.registry import Registry
+from workers.worker import Worker
 
 log = logging.getLogger("kvgate.proxy")
 reqlog = logging.getLogger("kvgate.request")

@@ -27,7 +27,7 @@ from gateway.config import TimeoutSettings
 from gateway.errors import sse_error_event
 from gateway.metrics import BatchedHistogram
 from gateway.upstream import UpstreamResponse, UpstreamStreamError
-from workers.registry import Worker
+from workers.worker import Worker
 
 if TYPE_CHECKING:
     from gateway.proxy import Proxy

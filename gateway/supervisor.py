@@ -51,22 +51,12 @@ signal per forwarded signal; a child whose supervisor died (SIGKILL) sees its li
 and drains itself. Under systemd use `KillMode=mixed` (the default `control-group` would signal
 the children directly as well, and two signals mean "stop now").
 
-Metrics: each child also answers on a unix socket in the supervisor's private run directory
-(mode 0700: the admin-key rule of /metrics cannot be sidestepped through it, as it could through a
-127.0.0.1 port any local user can reach). The child that answers a scrape of /metrics fetches its
-siblings' expositions there, concurrently, and merges them (`gateway.metrics.merge_expositions`):
-one HELP/TYPE per family and a `process="k"` label (k = the slot, stable across restarts) on every
-sample, so `sum without(process) (...)` is the gateway's total. A sibling that does not answer
-within `SIBLING_TIMEOUT_S` is left out and counted (`kvgate_processes_scrape_errors_total`); the
-scrape never fails for it (one still starting is left out without counting). The supervisor's own
-state (target, live and serving children, restarts) is a small JSON file in the run directory that
-children read for /metrics (`kvgate_processes{state=...}`, `kvgate_process_restarts_total`, with
-no `process` label: one per gateway) and for the bodies of /health and /ready.
+The child's side (its spec and socket, the ready and lifeline pipes, the merged /metrics that
+children answer for the whole gateway) is gateway/process_child.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -80,14 +70,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-
 from gateway.config import Settings
-from gateway.metrics import merge_expositions, supervisor_exposition
+from gateway.process_child import STATE_FILE, ChildSpec, tcp_socket
 
 log = logging.getLogger("kvgate.supervisor")
 
@@ -95,13 +83,11 @@ BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 # A child that lived this long before dying crashed on its own, not in a loop: backoff restarts.
 BACKOFF_RESET_S = 60.0
-SIBLING_TIMEOUT_S = 1.0
 # Every WATCH_INTERVAL_S the supervisor reads each serving child's metrics socket; a child that
 # has not answered for HUNG_AFTER_S is hung (alive, not serving its share of new connections) and
 # is killed, then restarted. Generous: a reload that loads a tokenizer blocks a loop for seconds.
 WATCH_INTERVAL_S = 5.0
 HUNG_AFTER_S = 30.0
-STATE_FILE = "state.json"
 
 
 def process_count(value: int | str) -> int:
@@ -137,206 +123,6 @@ def child_environment(settings: Settings, processes: int) -> dict[str, str]:
         "KVGATE_CLUSTER__ENABLED": "true",
         "KVGATE_QUOTA__REPLICAS": str(settings.quota.replicas * processes),
     }
-
-
-# ==================================================================================================
-# The child's side
-# ==================================================================================================
-
-
-@dataclass(frozen=True, slots=True)
-class ChildSpec:
-    """What the supervisor hands one child (as JSON in a hidden `kvgate serve --child` argument)."""
-
-    index: int
-    processes: int
-    run_dir: str
-    ready_fd: int
-    lifeline_fd: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    starts: int = 1
-    supervisor_pid: int = 0
-
-    def to_arg(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_arg(cls, text: str) -> ChildSpec:
-        return cls(**json.loads(text))
-
-    def metrics_path(self, index: int) -> Path:
-        return Path(self.run_dir) / f"metrics-{index}.sock"
-
-
-def read_state(run_dir: str | Path) -> dict[str, Any] | None:
-    """The supervisor's last state (None when it is gone or the file is being replaced)."""
-    try:
-        data = json.loads((Path(run_dir) / STATE_FILE).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-class Siblings:
-    """One child's view of the process group: who it is, and its siblings' metrics."""
-
-    def __init__(self, spec: ChildSpec, registry: CollectorRegistry) -> None:
-        self.spec = spec
-        self.registry = registry
-        self.scrape_errors = Counter(
-            "kvgate_processes_scrape_errors",
-            "Sibling processes that did not answer this process's /metrics scrape in time "
-            "(left out of that scrape)",
-            registry=registry,
-        )
-        self._server: asyncio.AbstractServer | None = None
-
-    def own(self) -> bytes:
-        return generate_latest(self.registry)
-
-    async def start(self) -> None:
-        """Answer siblings' scrapes on this slot's unix socket: the exposition, then close."""
-
-        async def answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                w.write(self.own())
-                await w.drain()
-            except ConnectionError:  # the reader left early (a timed-out scrape)
-                pass
-            finally:
-                w.close()
-
-        path = self.spec.metrics_path(self.spec.index)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a killed predecessor's
-        self._server = await asyncio.start_unix_server(answer, str(path))
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.spec.metrics_path(self.spec.index).unlink()
-
-    async def _fetch(self, index: int) -> bytes | None:
-        try:
-            async with asyncio.timeout(SIBLING_TIMEOUT_S):
-                r, w = await asyncio.open_unix_connection(str(self.spec.metrics_path(index)))
-                try:
-                    return await r.read()
-                finally:
-                    w.close()
-        except (OSError, TimeoutError):
-            return None
-
-    async def scrape(self) -> bytes:
-        """The whole gateway: every process's series labelled `process`, plus the supervisor's."""
-        state = read_state(self.spec.run_dir)
-        # The siblings the supervisor saw listening (all of them if its state is unreadable): one
-        # starting or restarting is missing for a known reason, not a failed scrape.
-        serving = state.get("serving_slots") if state else None
-        if not isinstance(serving, list):
-            serving = list(range(self.spec.processes))
-        others = [k for k in serving if isinstance(k, int) and k != self.spec.index]
-        got = await asyncio.gather(*(self._fetch(k) for k in others))
-        missing = sum(1 for g in got if g is None)
-        if missing:
-            self.scrape_errors.inc(missing)
-        parts = [(str(self.spec.index), self.own())]
-        parts += [(str(k), g) for k, g in zip(others, got, strict=True) if g is not None]
-        parts.sort(key=lambda p: int(p[0]))
-        return merge_expositions(parts) + supervisor_exposition(state, len(parts))
-
-    def reload_all(self) -> None:
-        """`POST /admin/reload` answered here: the siblings reload too (the supervisor forwards
-        SIGHUP to every child; this one finds its config unchanged). Only to our own supervisor:
-        an orphan's parent is init or a subreaper."""
-        if self.spec.supervisor_pid and os.getppid() == self.spec.supervisor_pid:
-            os.kill(self.spec.supervisor_pid, signal.SIGHUP)
-
-    def health(self) -> dict[str, Any]:
-        """For /health and /ready: which process answered, and the supervisor's counts."""
-        state = read_state(self.spec.run_dir) or {}
-        return {
-            "process": self.spec.index,
-            "pid": os.getpid(),
-            "processes": {
-                "target": self.spec.processes,
-                "live": state.get("live"),
-                "restarts": state.get("restarts"),
-            },
-        }
-
-
-def _socket(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-    return sock
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """This child's own socket in the address's SO_REUSEPORT group, bound, not listening: it
-    joins the group (and gets its share of new connections) when uvicorn starts listening, after
-    the gateway's start-up, so no connection waits on a process still starting."""
-    sock = _socket(host)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-async def run_child(app: Any, server: Any, spec: ChildSpec) -> None:
-    """Serve as one of the supervisor's children: on a socket of its own in the address's
-    SO_REUSEPORT group, answering siblings' scrapes, telling the supervisor once it listens,
-    draining if the supervisor goes away."""
-    gw = app.state.gateway
-    siblings = Siblings(spec, gw.metrics.registry)
-    gw.processes = siblings
-    sock = listen_socket(spec.host, spec.port)
-    await siblings.start()
-    loop = asyncio.get_running_loop()
-    orphaned = False
-
-    def lifeline() -> None:
-        # EOF: the supervisor is gone (it never writes). Drain as on a first SIGTERM.
-        nonlocal orphaned
-        with contextlib.suppress(OSError):
-            if os.read(spec.lifeline_fd, 64):
-                return
-        loop.remove_reader(spec.lifeline_fd)
-        orphaned = True
-        if server.signals == 0:
-            log.warning("process %d: the supervisor is gone; draining", spec.index)
-            server.handle_exit(signal.SIGTERM, None)
-
-    loop.add_reader(spec.lifeline_fd, lifeline)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes a flag)
-            await asyncio.sleep(0.02)
-        if server.started:
-            with contextlib.suppress(OSError):
-                os.write(spec.ready_fd, b"ready\n")
-        with contextlib.suppress(OSError):
-            os.close(spec.ready_fd)
-        await task
-    finally:
-        with contextlib.suppress(ValueError, OSError):
-            loop.remove_reader(spec.lifeline_fd)
-        await siblings.stop()
-        if orphaned:  # the supervisor could not clean up: the last child out removes the dir
-            _remove_run_dir(Path(spec.run_dir))
-
-
-def _remove_run_dir(run_dir: Path) -> None:
-    for name in (STATE_FILE, STATE_FILE + ".tmp"):
-        with contextlib.suppress(OSError):
-            (run_dir / name).unlink()
-    with contextlib.suppress(OSError):
-        run_dir.rmdir()  # fails while a sibling's socket is still there
 
 
 # ==================================================================================================
@@ -414,7 +200,7 @@ class Supervisor:
         supervisor included: a bind without SO_REUSEPORT is refused by any listener, where the
         children's SO_REUSEPORT binds would quietly join another gateway's group. Port 0 becomes
         a concrete port here, the one every child binds."""
-        probe = _socket(self.host)
+        probe = tcp_socket(self.host)
         try:
             probe.bind((self.host, self.port))
             self.port = probe.getsockname()[1]

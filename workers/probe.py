@@ -31,8 +31,9 @@ from collections.abc import Callable
 
 import httpx
 
-from workers.registry import Health, Registry, Worker
+from workers.registry import Registry
 from workers.vllm_metrics import WorkerMetrics, parse_vllm_metrics
+from workers.worker import Health, Worker
 
 log = logging.getLogger("kvgate.probe")
 

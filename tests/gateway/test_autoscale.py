@@ -17,18 +17,18 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.autoscale import (
-    AutoscaleCollector,
+from gateway.autoscale import AutoscaleCollector, fleet_loads
+from gateway.desired_workers import (
     AutoscaleSettings,
     DesiredWorkers,
     ModelLoad,
-    WindowQuantile,
     WorkerLoad,
-    fleet_loads,
     request_tokens,
 )
-from workers.registry import Health, Registry, WorkerSpec
+from gateway.window_quantile import WindowQuantile
+from workers.registry import Registry
 from workers.vllm_metrics import WorkerMetrics
+from workers.worker import Health, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

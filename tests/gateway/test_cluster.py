@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from gateway.cluster import ClusterSync, redact_url
 from gateway.config import ClusterSettings
 from gateway.redis_server import RedisServer, free_port
-from workers.registry import Registry, WorkerSpec
+from workers.registry import Registry
+from workers.worker import WorkerSpec
 
 
 class Clock:

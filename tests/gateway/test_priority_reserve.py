@@ -6,7 +6,7 @@ from __future__ import annotations
 from gateway.app import Gateway
 from gateway.config import TenantSettings
 from tests.gateway.conftest import MODEL, settings_for
-from workers.registry import Health
+from workers.worker import Health
 
 
 def _gateway(top_priority: float | None = 0.9) -> Gateway:

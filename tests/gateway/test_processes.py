@@ -596,7 +596,7 @@ def test_server_processes_setting() -> None:
 
 
 def test_child_spec_round_trips() -> None:
-    from gateway.supervisor import ChildSpec
+    from gateway.process_child import ChildSpec
 
     spec = ChildSpec(index=1, processes=4, run_dir="/tmp/x", ready_fd=5, lifeline_fd=6, port=80)
     assert ChildSpec.from_arg(spec.to_arg()) == spec

@@ -9,7 +9,6 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.admission import AdmissionSettings as AdmissionCore
-from gateway.autoscale import AutoscaleSettings as AutoscaleCore
 from gateway.config import (
     AdmissionSettings,
     AutoscaleSettings,
@@ -23,6 +22,7 @@ from gateway.core_settings import ADMISSION_GATEWAY_ONLY as _ADMISSION_GATEWAY_O
 from gateway.core_settings import admission_settings as _admission
 from gateway.core_settings import registry_knobs as _registry_knobs
 from gateway.core_settings import routing_weights as _weights
+from gateway.desired_workers import AutoscaleSettings as AutoscaleCore
 from scoring.views import Weights
 
 

@@ -18,7 +18,7 @@ from tests.integration.conftest import (
     openai_client,
     worker_metrics,
 )
-from workers.registry import Health
+from workers.worker import Health
 
 pytestmark = pytest.mark.integration
 

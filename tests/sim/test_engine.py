@@ -6,14 +6,8 @@ import random
 
 import pytest
 
-from workers.sim.engine import (
-    Engine,
-    EngineConfig,
-    RequestOutput,
-    SimRequest,
-    StepOutput,
-    generated_token_ids,
-)
+from workers.sim.engine import Engine, generated_token_ids
+from workers.sim.engine_types import EngineConfig, RequestOutput, SimRequest, StepOutput
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, RequestResult, simulate
 

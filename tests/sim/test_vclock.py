@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.sim.engine import Engine, EngineConfig, SimRequest, generated_token_ids
+from workers.sim.engine import Engine, generated_token_ids
+from workers.sim.engine_types import EngineConfig, SimRequest
 from workers.sim.profiles import get_profile
 from workers.sim.realtime import EngineLoop
 from workers.sim.vclock import Arrival, FleetSnapshot, VirtualFleet, percentile, round_robin

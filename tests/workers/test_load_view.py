@@ -6,8 +6,9 @@ import orjson
 
 from scoring.signals import queued_requests
 from workers.load_view import LoadView, decode_snapshot, encode_snapshot
-from workers.registry import Registry, WorkerSpec
+from workers.registry import Registry
 from workers.vllm_metrics import WorkerMetrics
+from workers.worker import WorkerSpec
 
 
 class Clock:

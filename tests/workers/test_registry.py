@@ -1,5 +1,6 @@
-from workers.registry import Health, Registry, WorkerSpec
+from workers.registry import Registry
 from workers.vllm_metrics import WorkerMetrics
+from workers.worker import Health, WorkerSpec
 
 CARD = [{"id": "m", "object": "model"}]
 

@@ -20,7 +20,7 @@ from typing import Any
 import uvicorn
 
 from workers.sim.config import SimWorkerConfig
-from workers.sim.engine import EngineConfig
+from workers.sim.engine_types import EngineConfig
 from workers.sim.faults import Faults, FaultValidationError
 from workers.sim.kv_publisher import LAYOUTS
 from workers.sim.profiles import PROFILES, get_profile

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.sim.engine import EngineConfig
+from workers.sim.engine_types import EngineConfig
 from workers.sim.faults import Faults
 from workers.sim.profiles import TimingProfile
 

@@ -34,7 +34,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from workers.sim.engine import KVEvent
+from workers.sim.engine_types import KVEvent
 
 __all__ = [
     "LAYOUTS",

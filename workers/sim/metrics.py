@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from workers.sim.engine import RequestOutput
+from workers.sim.engine_types import RequestOutput
 from workers.sim.profiles import TimingProfile
 
 if TYPE_CHECKING:

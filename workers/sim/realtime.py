@@ -18,7 +18,8 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from workers.sim.engine import Engine, EngineStats, KVEvent, RequestOutput, SimRequest
+from workers.sim.engine import Engine
+from workers.sim.engine_types import EngineStats, KVEvent, RequestOutput, SimRequest
 
 _log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from workers.sim.config import SimWorkerConfig
-from workers.sim.engine import EngineConfig
+from workers.sim.engine_types import EngineConfig
 from workers.sim.faults import Faults
 from workers.sim.profiles import TimingProfile
 from workers.sim.server import bind_sockets, serve_workers

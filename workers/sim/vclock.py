@@ -25,7 +25,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from workers.sim.engine import Engine, RequestOutput, SimRequest
+from workers.sim.engine import Engine
+from workers.sim.engine_types import RequestOutput, SimRequest
 
 
 @dataclass(slots=True)

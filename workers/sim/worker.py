@@ -29,7 +29,8 @@ from starlette.types import Send
 
 from workers.sim import tokenizer as tok
 from workers.sim.config import VLLM_VERSION, SimWorkerConfig
-from workers.sim.engine import Engine, KVEvent, SimRequest
+from workers.sim.engine import Engine
+from workers.sim.engine_types import KVEvent, SimRequest
 from workers.sim.errors import AbruptClose, HTTPError, error_body, invalid, schema_error
 from workers.sim.kv_publisher import LAYOUTS, KVEventPublisher
 from workers.sim.metrics import EngineCollector, Metrics, Tracker
