@@ -72,11 +72,13 @@ from gateway.keying import route_key_now
 from gateway.tokenizers import sim_token_keyer
 from scoring.policy import POLICY_NAMES, make_policy
 from scoring.precise import PreciseIndex
-from scoring.prefix import seed_for
 from scoring.state import RoutingState
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
+from workers.kv_intake import PreciseSink
+from workers.kv_wire import decode_batch
 from workers.sim.engine import Engine
 from workers.sim.engine_types import EngineConfig, SimRequest
+from workers.sim.kv_publisher import encode_batch
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet
 
@@ -256,9 +258,15 @@ class PolicyRouter:
             )
             for r, idx in enumerate(self.precises)
         ]
-        for idx in self.precises:
-            for n in self.names if idx is not None else ():
-                idx.set_live(n, True)
+        # The gateway's KV-event intake, one per replica's precise index.
+        self.sinks = [
+            PreciseSink(idx, lambda _w: MODEL, lambda _w: self.block_size, lambda: self.now)
+            for idx in self.precises
+            if idx is not None
+        ]
+        for sink in self.sinks:
+            for n in self.names:
+                sink.set_live(n, True)
         self.precise = self.precises[0]
         self.policy = self.policies[0]
         self._spread = random.Random(seed ^ 0x5EED)  # which replica an arrival reaches
@@ -279,7 +287,6 @@ class PolicyRouter:
         self.engines: Sequence[Engine] = ()
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
         self.block_size = 16
-        self.root = seed_for(MODEL, "", "")
         # Token mode's keyer: requests arrive with token-id prompts, so it tokenizes nothing.
         self.keyer = sim_token_keyer()
 
@@ -295,36 +302,16 @@ class PolicyRouter:
 
     def _drain_events(self) -> None:
         """Apply the KV events every engine published since the last decision, to every
-        replica's index."""
-        now, bs, root = self.now, self.block_size, self.root
+        replica's index, through the gateway's own path: encoded as the simulated workers
+        publish them, decoded and applied as the gateway's intake does (workers.kv_wire,
+        workers.kv_intake.PreciseSink)."""
+        now = self.now
         for name, engine in zip(self.names, self.engines, strict=True):
             events = engine.take_kv_events()
             if events:
-                for idx in self.precises:
-                    assert idx is not None
-                    self._apply_events(idx, name, events, now, bs, root)
-
-    @staticmethod
-    def _apply_events(
-        idx: PreciseIndex, name: str, events: Sequence[Any], now: float, bs: int, root: int
-    ) -> None:
-        idx.touch(name, now)
-        for ev in events:
-            if ev.kind == "BlockStored":
-                idx.stored(
-                    name,
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ev.token_ids,
-                    bs,
-                    root,
-                    "GPU",
-                    now,
-                )
-            elif ev.kind == "BlockRemoved":
-                idx.removed(name, ev.block_hashes, None, now)
-            else:
-                idx.clear(name)
+                _ts, decoded, _rank = decode_batch(encode_batch(now, events))
+                for sink in self.sinks:
+                    sink.apply(name, decoded)
 
     def route_key(self, arrival: Arrival) -> RouteRequest:
         """The request's route key. With the gateway's keys (`--keys gateway`, and every
