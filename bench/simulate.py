@@ -75,10 +75,9 @@ from scoring.precise import PreciseIndex
 from scoring.state import RoutingState
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 from workers.kv_intake import PreciseSink
-from workers.kv_wire import decode_batch
 from workers.sim.engine import Engine
 from workers.sim.engine_types import EngineConfig, SimRequest
-from workers.sim.kv_publisher import encode_batch
+from workers.sim.kv_publisher import wire_events
 from workers.sim.profiles import get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet
 
@@ -302,14 +301,12 @@ class PolicyRouter:
 
     def _drain_events(self) -> None:
         """Apply the KV events every engine published since the last decision, to every
-        replica's index, through the gateway's own path: encoded as the simulated workers
-        publish them, decoded and applied as the gateway's intake does (workers.kv_wire,
-        workers.kv_intake.PreciseSink)."""
-        now = self.now
+        replica's index, through the gateway's own intake (workers.kv_intake.PreciseSink), in
+        the types its decoder produces (workers.sim.kv_publisher.wire_events)."""
         for name, engine in zip(self.names, self.engines, strict=True):
             events = engine.take_kv_events()
             if events:
-                _ts, decoded, _rank = decode_batch(encode_batch(now, events))
+                decoded = wire_events(events)
                 for sink in self.sinks:
                     sink.apply(name, decoded)
 

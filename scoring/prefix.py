@@ -225,6 +225,9 @@ def render_chat(
     return "".join(parts)
 
 
+_INTS = frozenset({int})
+
+
 def render_completion(prompt: Any) -> str | list[int]:
     """A completions ``prompt`` as the worker sees it: text as is, token ids as ids.
 
@@ -240,7 +243,9 @@ def render_completion(prompt: Any) -> str | list[int]:
             return ""
         head = prompt[0]
         if isinstance(head, int) and not isinstance(head, bool):
-            return [int(t) for t in prompt]
+            if type(prompt) is list and _INTS.issuperset(map(type, prompt)):
+                return prompt  # the usual case, checked in C: no copy of 100k ids
+            return list(map(int, prompt))
         return render_completion(head)
     return str(prompt)
 

@@ -107,10 +107,20 @@ def _hash(v: object, what: str) -> EngineHash:
     raise _fail(f"{what}: expected int or bytes, got {type(v).__name__}")
 
 
+# Element types checked a list at a time (`set(map(type, v))` runs in C): a stored event carries
+# a hash per block and a token id per token, and a per-element Python check was most of the
+# decode's cost (bool is an int subclass but never valid here, hence `type`, not isinstance).
+_INT_ONLY = frozenset({int})
+_HASH_TYPES = frozenset({int, bytes})
+
+
 def _hashes(v: object) -> tuple[EngineHash, ...]:
     if not isinstance(v, list):
         raise _fail(f"block_hashes: expected a list, got {type(v).__name__}")
-    return tuple(_hash(h, "block_hashes") for h in v)
+    if not _HASH_TYPES.issuperset(map(type, v)):
+        for h in v:
+            _hash(h, "block_hashes")  # names the offending type
+    return tuple(v)
 
 
 def _opt_hash(v: object) -> EngineHash | None:
@@ -118,7 +128,7 @@ def _opt_hash(v: object) -> EngineHash | None:
 
 
 def _token_ids(v: object) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+    if not isinstance(v, list) or not _INT_ONLY.issuperset(map(type, v)):
         raise _fail("token_ids: expected a list of ints")
     return tuple(v)
 
@@ -157,7 +167,7 @@ def _salt(extra_keys: object, parent: EngineHash | None, lora_name: str | None) 
     return keys[-1] if keys else None
 
 
-def _stored(
+def stored_event(
     hashes: object,
     parent: object,
     token_ids: object,
@@ -194,7 +204,7 @@ def _required(m: dict[Any, Any], *keys: str) -> list[Any]:
 
 def _stored_from_map(m: dict[Any, Any]) -> BlockStored:
     hashes, token_ids, block_size = _required(m, "block_hashes", "token_ids", "block_size")
-    return _stored(
+    return stored_event(
         hashes,
         m.get("parent_block_hash"),
         token_ids,
@@ -223,7 +233,7 @@ def _stored_from_array(a: list[Any]) -> BlockStored:
     if len(a) < 5:
         raise _fail(f"BlockStored array of {len(a)} fields, need at least 5")
     group = a[9] if len(a) > 9 and _is_int(a[9]) else None
-    return _stored(
+    return stored_event(
         a[1], a[2], a[3], a[4], _at(a, 5), _at(a, 6), _at(a, 7), _at(a, 8), group, _at(a, 10)
     )
 

@@ -34,6 +34,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from workers import kv_wire
 from workers.sim.engine_types import KVEvent
 
 __all__ = [
@@ -117,6 +118,39 @@ def encode_event(e: KVEvent, layout: Layout = "0.32") -> list[Any]:
     else:
         raise ValueError(f"unknown KV event layout {layout!r}; expected one of {LAYOUTS}")
     raise ValueError(f"unknown KV event kind {kind!r}")
+
+
+def wire_events(events: Iterable[KVEvent]) -> list[kv_wire.KVEvent]:
+    """The engine's events as the gateway's decoder hands them to its intake
+    (`workers.kv_intake.PreciseSink`), without the msgpack round trip, for in-process consumers
+    (bench.simulate): a stored event goes through the decoder's own field conversion
+    (`kv_wire.stored_event`: validation, the salt lifted from the extra keys); an eviction stays
+    one event where vLLM sends one per block, which the intake applies alike."""
+    out: list[kv_wire.KVEvent] = []
+    for e in events:
+        if e.kind == "BlockStored":
+            d = _stored_032(e)
+            out.append(
+                kv_wire.stored_event(
+                    d["block_hashes"],
+                    d["parent_block_hash"],
+                    d["token_ids"],
+                    d["block_size"],
+                    d["lora_id"],
+                    d["medium"],
+                    d["lora_name"],
+                    d["extra_keys"],
+                    d["group_idx"],
+                    d["kv_cache_spec_kind"],
+                )
+            )
+        elif e.kind == "BlockRemoved":
+            out.append(kv_wire.BlockRemoved(tuple(e.block_hashes), MEDIUM_GPU, _GROUP_IDX))
+        elif e.kind == "AllBlocksCleared":
+            out.append(kv_wire.AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV event kind {e.kind!r}")
+    return out
 
 
 def encode_batch(
