@@ -18,7 +18,6 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +54,7 @@ from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
 from gateway.server import HEAD_AT
 from gateway.settlement import Settlement
+from gateway.slots import Slots, canary_pool
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
@@ -109,6 +109,11 @@ class Gateway:
         self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
+        self.slots = Slots(
+            self.registry, settings.admission, self.routing_options, self.tenants.top_priority
+        )
+        # The proxy's host hook (ProxyHost.worker_room), bound once: it runs per candidate.
+        self.worker_room = self.slots.worker_room
         self.quota = QuotaGate(settings.quota, self.metrics)
         self.admission = AdmissionController(
             admission_settings(settings.admission), observer=AdmissionMetrics(self.metrics)
@@ -301,6 +306,7 @@ class Gateway:
             except Exception:
                 log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
+        self.slots.configure(new.admission, self.routing_options, self.tenants.top_priority)
         if new.admission != old.admission:
             self.admission.configure(admission_settings(new.admission))
         p = new.probes
@@ -347,51 +353,6 @@ class Gateway:
                 await self.kv_fleet.sync(eps)
             except Exception:
                 log.exception("kv events: subscriber sync failed")
-
-    def worker_room(self, w: Worker) -> int:
-        """Requests ``w`` can take now: its concurrency cap minus what is in flight there (every
-        replica's, with [cluster]: the cap is the worker's, not one replica's share), none while
-        its KV cache is saturated (new sequences would only preempt running ones).
-
-        The KV figure is the last scrape's, up to a probe interval old. Requests that finished
-        since then freed their blocks: the usage is scaled by the share of the requests in flight
-        at the scrape that still are. Gating on the raw figure held every request in the queue
-        while the worker sat idle until the next scrape (measured: 256 queued, the worker at 0
-        running, ~2 s at a time: the ladder's c=256 TTFB p99)."""
-        busy = w.in_flight + w.remote_in_flight
-        kv = w.metrics.kv_usage
-        sat = self.routing_options.saturation_kv
-        if kv >= sat:
-            at = w.in_flight_at_scrape
-            if not at or busy >= at or kv * busy / at >= sat:
-                return 0
-        cap = w.spec.max_concurrency or self.settings.admission.worker_concurrency
-        room = cap - busy
-        if w.health is Health.HALF_OPEN:
-            # On trial: only this replica's trial requests (the half-open state is its own
-            # view; another replica's traffic there must not keep its trial from ever starting).
-            trial = self.registry.half_open_requests - w.in_flight
-            room = trial if trial < room else room
-        return room if room > 0 else 0
-
-    def _room(self, model: str, priority: float) -> int:
-        """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
-        kept for the latency-sensitive tiers)."""
-        a = self.settings.admission
-        free = total = 0
-        room = self.worker_room
-        for w in self.registry.candidates(model):
-            total += w.spec.max_concurrency or a.worker_concurrency
-            free += room(w)
-        if priority < a.reserve_min_priority <= self.tenants.top_priority:
-            # Headroom, not a quota: the last free slots stay free for the high tiers whatever
-            # they already run. Withholding only the part of the reserve they leave unused was
-            # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
-            # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
-            # Kept only when some tenant can use it: an open gateway (or one whose tenants are
-            # all below reserve_min_priority) would otherwise leave that share of the fleet idle.
-            free -= int(total * a.priority_reserve)
-        return free if free > 0 else 0
 
     def _worker_model(self, name: str) -> str | None:
         w = self.registry.workers.get(name)
@@ -523,7 +484,7 @@ class Gateway:
                 client_wants_usage=req.client_wants_usage,
                 route=route,
                 t_start=t0,
-                pool_ok=self._split(model),
+                pool_ok=canary_pool(settings.routing.splits, model, self._rng),
                 account=Account(
                     tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
                 ),
@@ -571,23 +532,6 @@ class Gateway:
                 500, "internal gateway error", "internal_error", code="internal_error"
             ).response(echo)
 
-    def _split(self, model: str) -> Callable[[Worker], bool] | None:
-        """Canary splits: this request's pool, drawn once so retries stay in it when they can."""
-        splits = [sp for sp in self.settings.routing.splits if sp.model in ("*", model)]
-        if not splits:
-            return None
-        r = self._rng.random()
-        acc = 0.0
-        for sp in splits:
-            acc += sp.share
-            if r < acc:
-                want = sp.labels
-                return lambda w: all(w.spec.labels.get(k) == v for k, v in want.items())
-        others = [sp.labels for sp in splits]
-        return lambda w: (
-            not any(all(w.spec.labels.get(k) == v for k, v in lab.items()) for lab in others)
-        )
-
     async def _dispatch(self, request: Request, call: Call, tenant: Tenant) -> Response:
         """Wait for room, then forward; a client that leaves meanwhile cancels both.
 
@@ -623,7 +567,7 @@ class Gateway:
                 priority=tenant.priority,
                 weight=tenant.cfg.queue_weight,
                 deadline_s=adm.deadline_s(request.headers.get(adm.deadline_header)),
-                has_room=functools.partial(self._room, call.model, tenant.priority),
+                has_room=functools.partial(self.slots.free, call.model, tenant.priority),
                 pool=call.model,
             )
             # Every request (0 s when it went straight through): the p95 is over all of them.

@@ -35,30 +35,30 @@ def _gateway(top_priority: float | None = 0.9) -> Gateway:
 
 def test_low_priority_never_takes_the_last_reserved_slots() -> None:
     gw = _gateway()  # 8 slots, 2 kept free for priority >= 0.7
-    assert gw._room(MODEL, 0.9) == 8
-    assert gw._room(MODEL, 0.2) == 6
+    assert gw.slots.free(MODEL, 0.9) == 8
+    assert gw.slots.free(MODEL, 0.2) == 6
     w0, w1 = gw.registry.workers.values()
     w0.in_flight = 4
     w1.in_flight = 2  # 2 free: both kept for the high tiers
-    assert gw._room(MODEL, 0.2) == 0
-    assert gw._room(MODEL, 0.7) == 2
+    assert gw.slots.free(MODEL, 0.2) == 0
+    assert gw.slots.free(MODEL, 0.7) == 2
 
 
 def test_a_full_or_saturated_worker_offers_no_room() -> None:
     gw = _gateway()
     w0, w1 = gw.registry.workers.values()
     w0.in_flight = 9  # over its cap (retries can overshoot): counts as 0, never negative
-    assert gw._room(MODEL, 0.9) == 4
+    assert gw.slots.free(MODEL, 0.9) == 4
     w1.metrics = w1.metrics.__class__(kv_usage=0.95)  # KV saturated: new sequences would preempt
-    assert gw._room(MODEL, 0.9) == 0
+    assert gw.slots.free(MODEL, 0.9) == 0
 
 
 def test_a_reserve_nobody_can_use_is_not_kept() -> None:
     # An open gateway (everyone is the default tenant, priority 0.5), or tenants all below
     # reserve_min_priority: withholding the reserve would only leave a share of the fleet idle.
     for gw in (_gateway(top_priority=None), _gateway(top_priority=0.6)):
-        assert gw._room(MODEL, 0.5) == 8
-        assert gw._room(MODEL, 0.2) == 8
+        assert gw.slots.free(MODEL, 0.5) == 8
+        assert gw.slots.free(MODEL, 0.2) == 8
 
 
 def test_a_stale_kv_saturation_lapses_as_the_requests_behind_it_finish() -> None:
@@ -68,10 +68,10 @@ def test_a_stale_kv_saturation_lapses_as_the_requests_behind_it_finish() -> None
     w0.metrics = w0.metrics.__class__(kv_usage=0.95)
     w0.in_flight_at_scrape = 4  # what the scrape saw running
     w0.in_flight = 4
-    assert gw._room(MODEL, 0.5) == 0  # nothing finished since: still saturated
+    assert gw.slots.free(MODEL, 0.5) == 0  # nothing finished since: still saturated
     w0.in_flight = 1  # three finished and freed their blocks: ~0.24 of the cache in use
-    assert gw._room(MODEL, 0.5) == 3
+    assert gw.slots.free(MODEL, 0.5) == 3
     w0.in_flight = 0  # idle: the saturated figure is history
-    assert gw._room(MODEL, 0.5) == 4
+    assert gw.slots.free(MODEL, 0.5) == 4
     w0.in_flight_at_scrape = None  # no scrape to scale from: trust the figure
-    assert gw._room(MODEL, 0.5) == 0
+    assert gw.slots.free(MODEL, 0.5) == 0

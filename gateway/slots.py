@@ -1,0 +1,107 @@
+"""Which workers a request may use and how many requests they can take now: the free slots that
+admission waits for and the proxy passes full workers by, the priority reserve, and canary pools.
+
+Kept apart from the walk (gateway/app.py) because both admission's wake-ups and every dispatch
+read it, and because its rules (KV saturation scaled to the requests still in flight, a half-open
+worker's trial budget, headroom for the latency-sensitive tiers) are policy, not plumbing.
+`Gateway.apply` reconfigures it on every reload.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from gateway.config import AdmissionSettings, SplitSettings
+from scoring.views import RoutingOptions
+from workers.registry import Registry
+from workers.worker import Health, Worker
+
+
+class Slots:
+    """Free worker slots, per worker and per model for a priority."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        admission: AdmissionSettings,
+        options: RoutingOptions,
+        top_priority: float,
+    ) -> None:
+        self.registry = registry
+        self.configure(admission, options, top_priority)
+
+    def configure(
+        self, admission: AdmissionSettings, options: RoutingOptions, top_priority: float
+    ) -> None:
+        """A reload: the caps, the reserve, the saturation threshold and the tenants' top tier."""
+        self.worker_concurrency = admission.worker_concurrency
+        self.priority_reserve = admission.priority_reserve
+        self.reserve_min_priority = admission.reserve_min_priority
+        self.saturation_kv = options.saturation_kv
+        self.top_priority = top_priority
+
+    def worker_room(self, w: Worker) -> int:
+        """Requests ``w`` can take now: its concurrency cap minus what is in flight there (every
+        replica's, with [cluster]: the cap is the worker's, not one replica's share), none while
+        its KV cache is saturated (new sequences would only preempt running ones).
+
+        The KV figure is the last scrape's, up to a probe interval old. Requests that finished
+        since then freed their blocks: the usage is scaled by the share of the requests in flight
+        at the scrape that still are. Gating on the raw figure held every request in the queue
+        while the worker sat idle until the next scrape (measured: 256 queued, the worker at 0
+        running, ~2 s at a time: the ladder's c=256 TTFB p99)."""
+        busy = w.in_flight + w.remote_in_flight
+        kv = w.metrics.kv_usage
+        sat = self.saturation_kv
+        if kv >= sat:
+            at = w.in_flight_at_scrape
+            if not at or busy >= at or kv * busy / at >= sat:
+                return 0
+        cap = w.spec.max_concurrency or self.worker_concurrency
+        room = cap - busy
+        if w.health is Health.HALF_OPEN:
+            # On trial: only this replica's trial requests (the half-open state is its own
+            # view; another replica's traffic there must not keep its trial from ever starting).
+            trial = self.registry.half_open_requests - w.in_flight
+            room = trial if trial < room else room
+        return room if room > 0 else 0
+
+    def free(self, model: str, priority: float) -> int:
+        """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
+        kept for the latency-sensitive tiers)."""
+        free = total = 0
+        room = self.worker_room
+        for w in self.registry.candidates(model):
+            total += w.spec.max_concurrency or self.worker_concurrency
+            free += room(w)
+        if priority < self.reserve_min_priority <= self.top_priority:
+            # Headroom, not a quota: the last free slots stay free for the high tiers whatever
+            # they already run. Withholding only the part of the reserve they leave unused was
+            # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
+            # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
+            # Kept only when some tenant can use it: an open gateway (or one whose tenants are
+            # all below reserve_min_priority) would otherwise leave that share of the fleet idle.
+            free -= int(total * self.priority_reserve)
+        return free if free > 0 else 0
+
+
+def canary_pool(
+    splits: Sequence[SplitSettings], model: str, rng: random.Random
+) -> Callable[[Worker], bool] | None:
+    """Canary splits: this request's pool, drawn once so retries stay in it when they can; None
+    when no split applies to ``model`` (any worker)."""
+    mine = [sp for sp in splits if sp.model in ("*", model)]
+    if not mine:
+        return None
+    r = rng.random()
+    acc = 0.0
+    for sp in mine:
+        acc += sp.share
+        if r < acc:
+            want = sp.labels
+            return lambda w: all(w.spec.labels.get(k) == v for k, v in want.items())
+    others = [sp.labels for sp in mine]
+    return lambda w: (
+        not any(all(w.spec.labels.get(k) == v for k, v in lab.items()) for lab in others)
+    )
