@@ -22,7 +22,7 @@ from bench.replay import (
 )
 from bench.simulate import PolicySpec
 from bench.traces import SyntheticSpec, Trace, TraceRequest, synthetic
-from workers.sim.testing import run_sim_workers
+from tests.support.sim_workers import run_sim_workers
 
 SPEC = SyntheticSpec(
     groups=2, users=2, system_tokens=256, question_tokens=32, output_tokens=4,

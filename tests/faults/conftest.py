@@ -31,7 +31,7 @@ from gateway.config import Settings
 from gateway.quota_memory import MemoryQuotaStore
 from gateway.quota_redis import RedisQuotaStore
 from tests.gateway.conftest import MODEL, flat_metrics, run_gateway, settings_for
-from workers.sim.testing import SimFleet, run_sim_workers
+from tests.support.sim_workers import SimFleet, run_sim_workers
 
 __all__ = ["MODEL"]
 

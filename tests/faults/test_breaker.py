@@ -20,7 +20,7 @@ import orjson
 from gateway.config import ProbeSettings
 from tests.faults.conftest import KEY_OPEN, MODEL, Stack, fault_settings
 from tests.gateway.conftest import run_gateway
-from workers.sim.testing import run_sim_workers
+from tests.support.sim_workers import run_sim_workers
 from workers.worker import Health, Worker
 
 AUTH = {"authorization": f"Bearer {KEY_OPEN}"}

@@ -40,7 +40,7 @@ from tests.faults.conftest import (
     raw_exchange,
 )
 from tests.gateway.conftest import free_ports
-from workers.sim.testing import run_sim_workers
+from tests.support.sim_workers import run_sim_workers
 
 CHAT = "/v1/chat/completions"
 AUTH = {"authorization": f"Bearer {KEY_OPEN}", "content-type": "application/json"}

@@ -24,7 +24,7 @@ from tests.faults.conftest import (
     memory_watch,
 )
 from tests.gateway.conftest import run_gateway
-from workers.sim.testing import run_sim_workers
+from tests.support.sim_workers import run_sim_workers
 
 AUTH = {"authorization": f"Bearer {KEY_OPEN}"}
 

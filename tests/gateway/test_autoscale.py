@@ -527,7 +527,7 @@ async def test_a_running_gateway_exports_the_signals_per_model() -> None:
     import httpx
 
     from tests.gateway.conftest import MODEL, run_gateway, settings_for
-    from workers.sim.testing import run_sim_workers
+    from tests.support.sim_workers import run_sim_workers
 
     async with (
         run_sim_workers(2, profile="fast") as fleet,

@@ -20,7 +20,7 @@ import httpx
 
 from gateway.config import Settings
 from tests.gateway.conftest import MODEL, free_ports, run_gateway, settings_for
-from workers.sim.testing import run_sim_workers
+from tests.support.sim_workers import run_sim_workers
 
 KEY = "kvg-drain-test"
 

@@ -19,7 +19,7 @@ import httpx
 
 from gateway.config import load_settings
 from tests.gateway.conftest import MODEL, flat_metrics, free_ports, run_gateway, settings_for
-from workers.sim.testing import SimFleet, run_sim_workers
+from tests.support.sim_workers import SimFleet, run_sim_workers
 
 N = 4
 PROMPT_BLOCKS = 16  # 256 tokens at the simulator's block size 16

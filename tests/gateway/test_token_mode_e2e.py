@@ -1,6 +1,6 @@
 """Token mode against what a real vLLM 0.32 did (tests/fixtures/vllm-0.32).
 
-The fixtures were recorded from vLLM serving ``workers.vllm.tiny_model --seed 0``. Its tokenizer is
+The fixtures were recorded from vLLM serving ``tests.support.vllm.tiny_model --seed 0``. Its tokenizer is
 rebuilt here from the same recipe with the ``tokenizers`` library alone (corpus, trainer settings
 and post-processor are the recipe's; no torch, no ``.build/``), saved as transformers 5 saves it,
 and loaded through the gateway's own loader. The gateway's ids must then be vLLM's ids, and its
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from gateway.tokenizers import load_token_keyer
 from scoring.prefix import chain_hashes_tokens, seed_for
 from scoring.token_mode import TokenKeyer
-from workers.vllm import tiny_model as tm
+from tests.support.vllm import tiny_model as tm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32"
 RECORDING: dict[str, Any] = json.loads((FIXTURES / "index.json").read_text())

@@ -40,7 +40,7 @@ from tests.gateway.conftest import (
     run_gateway,
     settings_for,
 )
-from workers.vllm.launch import (
+from tests.support.vllm.launch import (
     VllmProcess,
     VllmServerConfig,
     VllmStartError,
@@ -51,8 +51,8 @@ from workers.vllm.launch import (
     stop,
     wait_healthy,
 )
-from workers.vllm.tiny_model import SERVED_MODEL_NAME, ensure_tiny_model
-from workers.vllm.venv import REPO_ROOT, VenvError, ensure_venv
+from tests.support.vllm.tiny_model import SERVED_MODEL_NAME, ensure_tiny_model
+from tests.support.vllm.venv import REPO_ROOT, VenvError, ensure_venv
 
 MODEL = SERVED_MODEL_NAME
 N_WORKERS = 2

@@ -2,7 +2,7 @@
 
 No Docker engine is needed (or used): the file is validated against the Compose specification's
 JSON schema (check-jsonschema ships it), then parsed with PyYAML for the checks a schema cannot
-make: the GPU workers run vLLM with the same kvgate-relevant flags as `workers.vllm.launch`
+make: the GPU workers run vLLM with the same kvgate-relevant flags as `tests.support.vllm.launch`
 (which the real-vLLM tests run on CPU), the gateway config lists exactly those workers, and
 Prometheus and the Grafana dashboard point at things that exist.
 """
@@ -29,7 +29,7 @@ from tests.integration.vllm_flags import (
     option_value,
     split_dry_run,
 )
-from workers.vllm.venv import REPO_ROOT
+from tests.support.vllm.venv import REPO_ROOT
 
 COMPOSE = REPO_ROOT / "docker-compose.gpu.yml"
 DEPLOY = REPO_ROOT / "deploy"
@@ -69,7 +69,8 @@ def _dry_run_gpu() -> tuple[list[str], dict[str, str]]:
     """The GPU command line the launch helper generates (what the compose file was made from)."""
     out = subprocess.run(
         [
-            *(sys.executable, "-m", "workers.vllm.launch", "--model", "MODEL", "--port", "8000"),
+            sys.executable,
+            *("-m", "tests.support.vllm.launch", "--model", "MODEL", "--port", "8000"),
             *("--gpu", "--kv-events-port", str(KV_EVENT_PORTS[0]), "--dry-run"),
         ],
         cwd=REPO_ROOT,

@@ -1,7 +1,7 @@
 """Shared fixtures for the simulator's HTTP tests.
 
 The servers run in the test's own event loop on free 127.0.0.1 ports (see
-`workers.sim.testing.run_sim_workers`, which other suites can call directly with their own
+`tests.support.sim_workers.run_sim_workers`, which other suites can call directly with their own
 settings), so a failing handler shows its traceback in the test output.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from workers.sim.testing import SimFleet, run_sim_workers
+from tests.support.sim_workers import SimFleet, run_sim_workers
 
 
 @pytest.fixture

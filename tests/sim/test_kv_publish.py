@@ -28,12 +28,12 @@ import zmq
 import zmq.asyncio
 
 from bench.peers import free_ports
+from tests.support.sim_workers import SimFleet, run_sim_workers
 from workers.sim.cli import _configure, build_configs
 from workers.sim.engine import Engine
 from workers.sim.engine_types import EngineConfig, KVEvent, SimRequest
 from workers.sim.kv_publisher import END_SEQ, encode_batch
 from workers.sim.profiles import get_profile
-from workers.sim.testing import SimFleet, run_sim_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32"

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
-from workers.sim.testing import SimFleet
+from tests.support.sim_workers import SimFleet
 
 MODEL = "sim-llama"
 

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peers import free_ports
-from workers.sim.testing import SimFleet, run_sim_workers
+from tests.support.sim_workers import SimFleet, run_sim_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-llama"

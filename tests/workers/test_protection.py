@@ -8,9 +8,9 @@ import json
 
 import httpx
 
+from tests.support.sim_workers import run_sim_workers
 from workers.probe import Prober
 from workers.registry import Registry
-from workers.sim.testing import run_sim_workers
 from workers.worker import Health, WorkerSpec
 
 CARD = [{"id": "m", "object": "model"}]

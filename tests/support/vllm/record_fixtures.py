@@ -8,8 +8,8 @@ status, ordered headers and the HTTP chunk sizes (which show how vLLM frames SSE
 It also probes behaviours the gateway depends on (prefix-cache hits, abort on disconnect) and
 captures raw KV-event ZMQ messages. Re-record with::
 
-    python -m workers.vllm.record_fixtures            # re-execs itself in .build/vllm-venv
-    python -m workers.vllm.record_fixtures --out tests/fixtures/vllm-0.32 --port 8390
+    python -m tests.support.vllm.record_fixtures            # re-execs itself in .build/vllm-venv
+    python -m tests.support.vllm.record_fixtures --out tests/fixtures/vllm-0.32 --port 8390
 
 The HTTP side uses only the standard library so the bytes are never normalised by a client.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "vllm-0.32"
 HOST = "127.0.0.1"
 MODEL = "tiny-llama"
@@ -542,16 +542,16 @@ def main(argv: list[str] | None = None) -> int:
         import zmq  # noqa: F401
     except ImportError:
         # KV events need pyzmq/msgspec, which live in the vLLM venv: re-run there.
-        from workers.vllm.venv import ensure_venv
+        from tests.support.vllm.venv import ensure_venv
 
         py = ensure_venv()
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        cmd = [str(py), "-m", "workers.vllm.record_fixtures", *argv]
+        cmd = [str(py), "-m", "tests.support.vllm.record_fixtures", *argv]
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
 
-    from workers.vllm.launch import rss_bytes, start_vllm, stop, wait_healthy
-    from workers.vllm.tiny_model import DEFAULT_OUT as MODEL_OUT
-    from workers.vllm.tiny_model import build_tiny_model
+    from tests.support.vllm.launch import rss_bytes, start_vllm, stop, wait_healthy
+    from tests.support.vllm.tiny_model import DEFAULT_OUT as MODEL_OUT
+    from tests.support.vllm.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(args.model_dir or MODEL_OUT, args.seed)
     kv_port = None if args.no_kv_events else args.kv_events_port

@@ -18,9 +18,9 @@ vLLM the same way, because kvgate depends on specific server behaviour:
 The server runs in its own process group (``start_new_session``) so :func:`stop` also ends the
 engine-core child processes vLLM spawns. Usage::
 
-    python -m workers.vllm.launch --model .build/models/tiny-llama --port 8201 \\
+    python -m tests.support.vllm.launch --model .build/models/tiny-llama --port 8201 \\
         [--kv-events-port 5557]
-    python -m workers.vllm.launch --model meta-llama/Llama-3.1-8B --port 8000 --gpu --dry-run
+    python -m tests.support.vllm.launch --model meta-llama/Llama-3.1-8B --port 8000 --gpu --dry-run
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_LOG_DIR = REPO_ROOT / ".build" / "logs"
 SERVED_MODEL_NAME = "tiny-llama"
 Device = Literal["cpu", "gpu"]
@@ -172,8 +172,8 @@ class VllmProcess(subprocess.Popen[bytes]):
 
 
 def default_python() -> str:
-    """The vLLM venv's interpreter, built on first use (see workers.vllm.venv)."""
-    from workers.vllm.venv import ensure_venv
+    """The vLLM venv's interpreter, built on first use (see tests.support.vllm.venv)."""
+    from tests.support.vllm.venv import ensure_venv
 
     return str(ensure_venv())
 

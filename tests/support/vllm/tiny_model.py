@@ -10,7 +10,7 @@ prefix-cache blocks -- on every machine.
 Run it with the vLLM venv's python (it has torch, transformers and tokenizers); when started
 from another interpreter it re-executes itself in that venv::
 
-    python -m workers.vllm.tiny_model --out .build/models/tiny-llama --seed 0
+    python -m tests.support.vllm.tiny_model --out .build/models/tiny-llama --seed 0
 
 The directory holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` (with the chat template) and a stamp ``kvgate-tiny-model.json``;
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_OUT = REPO_ROOT / ".build" / "models" / "tiny-llama"
 STAMP_NAME = "kvgate-tiny-model.json"
 SERVED_MODEL_NAME = "tiny-llama"
@@ -261,10 +261,10 @@ def ensure_tiny_model(
     if is_built(out_dir, seed, dtype):
         return out_dir.resolve()
     if python is None:
-        from workers.vllm.venv import ensure_venv
+        from tests.support.vllm.venv import ensure_venv
 
         python = ensure_venv()
-    cmd = [str(python), "-m", "workers.vllm.tiny_model", "--out", str(out_dir)]
+    cmd = [str(python), "-m", "tests.support.vllm.tiny_model", "--out", str(out_dir)]
     cmd += ["--seed", str(seed), "--dtype", dtype]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
@@ -278,17 +278,17 @@ def ensure_tiny_model(
 
 def _reexec_in_venv(argv: list[str]) -> int:
     """Without torch/transformers here, run the same command with the vLLM venv's python."""
-    from workers.vllm.venv import is_ready, venv_python
+    from tests.support.vllm.venv import is_ready, venv_python
 
     if not is_ready():
         print(
             "[tiny-model] torch/transformers not importable and the vLLM venv is missing: "
-            "run `python -m workers.vllm.venv` first",
+            "run `python -m tests.support.vllm.venv` first",
             file=sys.stderr,
         )
         return 1
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    cmd = [str(venv_python()), "-m", "workers.vllm.tiny_model", *argv]
+    cmd = [str(venv_python()), "-m", "tests.support.vllm.tiny_model", *argv]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
 
 

@@ -7,9 +7,9 @@ and ``transformers`` imports them eagerly and crashes; text-only models do not n
 
 Usage::
 
-    python -m workers.vllm.venv            # create or reuse .build/vllm-venv
-    python -m workers.vllm.venv --force    # rebuild from scratch
-    python -m workers.vllm.venv --print-python   # only print the venv's python path
+    python -m tests.support.vllm.venv            # create or reuse .build/vllm-venv
+    python -m tests.support.vllm.venv --force    # rebuild from scratch
+    python -m tests.support.vllm.venv --print-python   # only print the venv's python path
 
 The stamp file records the pinned version and the exact steps, so a changed pin rebuilds.
 """
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 VENV_DIR = REPO_ROOT / ".build" / "vllm-venv"
 STAMP_FILE = VENV_DIR / ".kvgate-stamp.json"
 
