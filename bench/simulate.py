@@ -286,8 +286,9 @@ class PolicyRouter:
         self.engines: Sequence[Engine] = ()
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
         self.block_size = 16
-        # Token mode's keyer: requests arrive with token-id prompts, so it tokenizes nothing.
-        self.keyer = sim_token_keyer()
+        # Token mode's keyer (precise runs): requests arrive with token-id prompts, so it
+        # tokenizes nothing.
+        self.keyer = sim_token_keyer() if precise else None
 
     @property
     def prefill(self) -> list[int]:
@@ -320,7 +321,7 @@ class PolicyRouter:
         if self.precise is not None or self.keys == "gateway":
             return route_key_now(
                 needs_chain=self.policy.needs_chain,
-                keyer=self.keyer if self.precise is not None else None,
+                keyer=self.keyer,
                 block_size=self.block_size,
                 options=self.options,
                 is_chat=False,

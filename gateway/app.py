@@ -139,6 +139,10 @@ class Gateway:
         )
         self.usage: UsageSink = NullSink()
         self.settlement = Settlement(self.quota, self.usage)
+        # The proxy's host hooks (gateway.proxy.ProxyHost) the walk has no step of its own for:
+        # bound once, no wrapper frame per request.
+        self.settle = self.settlement.settle
+        self.on_slot_freed = self.admission.kick
         self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
         self.probe_client: httpx.AsyncClient | None = None
@@ -598,10 +602,3 @@ class Gateway:
             timer.cancel()
             for t in watcher:
                 t.cancel()
-
-    # -- the proxy's host (gateway.proxy.ProxyHost) ------------------------------------------------
-    def on_slot_freed(self, model: str) -> None:
-        self.admission.kick(model)
-
-    async def settle(self, call: Call) -> None:
-        await self.settlement.settle(call)

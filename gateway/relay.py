@@ -96,6 +96,7 @@ class RelayResponse(Response):
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
         self._ended = False  # the client has its whole response (the final chunk is out)
+        self._waiting = _AwaitingWorker(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         call = self._call
@@ -217,8 +218,7 @@ class RelayResponse(Response):
                     break
                 if time.perf_counter() > self._deadline:
                     raise TimeoutError
-                self._awaiting_worker = True
-                try:
+                with self._waiting:
                     if splice is not None:
                         ended = await splice(self._on_chunk)
                     else:
@@ -227,14 +227,6 @@ class RelayResponse(Response):
                             self._took(chunk)
                         else:
                             ended = True
-                except asyncio.CancelledError:
-                    if not self._idle_cut:
-                        raise
-                    self._idle_cut = False
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                    raise TimeoutError from None
-                finally:
-                    self._awaiting_worker = False
             if not self._done:
                 if self._pending:
                     await self._send(send, self._pending)
@@ -273,20 +265,12 @@ class RelayResponse(Response):
     async def _drain_upstream(self, ended: bool) -> None:
         """After [DONE]: read the worker's stream to its end (its terminating chunk usually came
         with [DONE]) so the connection goes back to the pool; bounded like any read."""
-        self._awaiting_worker = True
         try:
-            while not ended:
-                ended = not await self._next()
-        except asyncio.CancelledError:
-            if not self._idle_cut:
-                raise
-            self._idle_cut = False
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            with self._waiting:
+                while not ended:
+                    ended = not await self._next()
+        except (TimeoutError, UpstreamStreamError):
             self._done = False  # not read to the end: the connection is closed, not reused
-        except UpstreamStreamError:
-            self._done = False
-        finally:
-            self._awaiting_worker = False
 
     def _took(self, chunk: bytes) -> None:
         prev = self._last_chunk
@@ -414,6 +398,29 @@ class RelayResponse(Response):
                     continue
             kept.append(ev)
         return b"\n\n".join(kept)
+
+
+class _AwaitingWorker:
+    """``with`` around the relay's awaits on the worker: flags them for the stall timer, which
+    cancels the task when the worker stays silent past ``idle_s`` or the deadline; that cancel
+    leaves the block as TimeoutError. A context object made once per stream, not a coroutine
+    wrapper: no extra frame per chunk."""
+
+    __slots__ = ("_relay",)
+
+    def __init__(self, relay: RelayResponse) -> None:
+        self._relay = relay
+
+    def __enter__(self) -> None:
+        self._relay._awaiting_worker = True
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        r = self._relay
+        r._awaiting_worker = False
+        if et is asyncio.CancelledError and r._idle_cut:
+            r._idle_cut = False
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise TimeoutError from None
 
 
 def reader(resp: UpstreamResponse) -> Callable[[], Awaitable[bytes]]:
