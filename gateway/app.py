@@ -30,7 +30,8 @@ from gateway.admission import AdmissionController
 from gateway.autoscale import AutoscaleCollector, fleet_loads
 from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
-from gateway.config import ConfigWatcher, RoutingSettings, Settings, to_core
+from gateway.config import RoutingSettings, Settings, to_core
+from gateway.config_watcher import ConfigWatcher
 from gateway.core_settings import (
     admission_settings,
     precise_index,

@@ -3,20 +3,16 @@
 The file is the source of truth ops edit; environment variables exist for containers and CI
 (`KVGATE_SERVER__PORT=9000`). Unknown keys are errors: a typo in a routing weight must not be
 silently ignored. Reloading builds a whole new `Settings`; a file that fails validation never
-replaces the running one (see `ConfigWatcher`).
+replaces the running one (see `gateway.config_watcher`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import logging
 import math
-import signal
 import tomllib
 import typing
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -34,8 +30,6 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from gateway.desired_workers import AutoscaleSettings as AutoscaleCore
 
 _T = TypeVar("_T")
-
-log = logging.getLogger("kvgate.config")
 
 
 class _Section(BaseModel):
@@ -575,68 +569,3 @@ def load_settings(path: str | Path | None) -> Settings:
             f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
         )
         raise ConfigError(f"{path}: {errs}") from e
-
-
-class ConfigWatcher:
-    """Reloads the file on change (watchfiles) and on SIGHUP; applies only valid configs.
-
-    `on_change(new)` runs for every valid, different config; `on_error(msg)` for every rejected
-    one, after which the running config stays as it was.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        current: Settings,
-        on_change: Callable[[Settings], None],
-        on_error: Callable[[str], None],
-    ) -> None:
-        self.path = path
-        self.current = current
-        self._on_change = on_change
-        self._on_error = on_error
-        self._task: asyncio.Task[None] | None = None
-
-    def reload(self) -> bool:
-        try:
-            new = load_settings(self.path)
-        except ConfigError as e:
-            log.error("config reload rejected, keeping the running config: %s", e)
-            self._on_error(str(e))
-            return False
-        if new != self.current:
-            self.current = new
-            log.info("config reloaded from %s", self.path)
-            self._on_change(new)
-        return True
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Not available off the main thread or on some platforms; the file watch still works.
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGHUP, self.reload)
-        self._task = asyncio.create_task(self._watch(), name="config-watch")
-
-    async def _watch(self) -> None:
-        from watchfiles import awatch
-
-        # Watch the directory: editors replace files by rename, which a file watch would miss.
-        # Only its own level and only this file's name: a config beside logs or a checkout
-        # (config.example.toml in the repo root) must not wake the watcher per write below it.
-        target = self.path.resolve()
-        name = target.name
-        async for changes in awatch(
-            target.parent,
-            debounce=200,
-            step=50,
-            recursive=False,
-            watch_filter=lambda _change, path: Path(path).name == name,
-        ):
-            if any(Path(p) == target for _, p in changes):
-                self.reload()
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task

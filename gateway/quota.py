@@ -1,4 +1,4 @@
-"""Tenant quotas: the backend-agnostic core (limits, GCRA, key layout, results, breaker).
+"""Tenant quotas: the backend-agnostic core (limits, GCRA, key layout, results).
 
 Every limit is a GCRA (generic cell rate algorithm): O(1) state per limit, the theoretical
 arrival time (TAT). A limit of `rate` units per minute spends `T = 60 s / rate` of TAT per unit;
@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
@@ -530,81 +529,3 @@ def scale_limits(limits: TenantLimits, replicas: int) -> TenantLimits:
         per_model=models,
         max_concurrent=conc if not conc else max(1, math.ceil(conc / replicas)),
     )
-
-
-class BreakerState(StrEnum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-class CircuitBreaker:
-    """Consecutive-failure breaker around the shared store; pure, the clock is passed in.
-
-    closed -> open after `failure_threshold` consecutive failures; open -> half-open once
-    `cooldown_s` has passed, letting ONE probe call through; the probe's success closes it, its
-    failure reopens it. A probe that never reports (its task was cancelled) is replaced after
-    another cooldown so the breaker cannot stick half-open. Failures reported while open (calls
-    that started before it opened) do not extend the cooldown.
-    """
-
-    def __init__(
-        self,
-        *,
-        failure_threshold: int = 3,
-        cooldown_s: float = 5.0,
-        on_transition: Callable[[BreakerState, BreakerState], None] | None = None,
-    ) -> None:
-        if failure_threshold < 1 or cooldown_s <= 0:
-            raise ValueError("failure_threshold must be >= 1 and cooldown_s > 0")
-        self.failure_threshold = failure_threshold
-        self.cooldown_s = cooldown_s
-        self.on_transition = on_transition
-        self.state = BreakerState.CLOSED
-        self.failures = 0
-        self._opened_at = 0.0
-        self._probe_at = 0.0
-
-    def _to(self, state: BreakerState) -> None:
-        if state is not self.state:
-            old, self.state = self.state, state
-            if self.on_transition is not None:
-                self.on_transition(old, state)
-
-    def allow(self, now: float) -> bool:
-        """Whether a call to the shared store should be attempted now."""
-        if self.state is BreakerState.CLOSED:
-            return True
-        if self.state is BreakerState.OPEN:
-            if now - self._opened_at < self.cooldown_s:
-                return False
-            self._to(BreakerState.HALF_OPEN)
-            self._probe_at = now
-            return True
-        if now - self._probe_at >= self.cooldown_s:
-            self._probe_at = now
-            return True
-        return False
-
-    def retry_after_s(self, now: float) -> float:
-        """Until the next probe may run (for a fail-closed 503's `Retry-After`)."""
-        if self.state is BreakerState.CLOSED:
-            return 0.0
-        since = self._opened_at if self.state is BreakerState.OPEN else self._probe_at
-        return max(0.0, self.cooldown_s - (now - since))
-
-    def record_success(self, now: float) -> None:
-        self.failures = 0
-        self._to(BreakerState.CLOSED)
-
-    def record_failure(self, now: float) -> None:
-        if self.state is BreakerState.HALF_OPEN:
-            self._opened_at = now
-            self._to(BreakerState.OPEN)
-            return
-        if self.state is BreakerState.OPEN:
-            return
-        self.failures += 1
-        if self.failures >= self.failure_threshold:
-            self._opened_at = now
-            self._to(BreakerState.OPEN)

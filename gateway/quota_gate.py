@@ -23,13 +23,12 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.config import QuotaSettings
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.quota import (
     Admission,
-    BreakerState,
-    CircuitBreaker,
     QuotaStore,
     QuotaStoreUnavailable,
     Reservation,

@@ -5,7 +5,6 @@ import pytest
 
 from gateway.config import (
     ConfigError,
-    ConfigWatcher,
     KVEventSettings,
     Settings,
     TenantSettings,
@@ -14,6 +13,7 @@ from gateway.config import (
     WorkerSettings,
     load_settings,
 )
+from gateway.config_watcher import ConfigWatcher
 from scoring.views import RoutingOptions
 
 ROOT = Path(__file__).resolve().parents[2]

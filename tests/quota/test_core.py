@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from gateway import redis_server as rs
+from gateway.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.quota import (
     PERIOD_US,
     Admission,
-    BreakerState,
-    CircuitBreaker,
     ModelLimits,
     QuotaKeys,
     Reservation,

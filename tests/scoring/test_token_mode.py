@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from gateway.tokenizers import TokenizerLoadError, load_token_keyer
+from scoring.chat_inputs import chat_inputs
 from scoring.prefix import chain_hashes_tokens, seed_for, tail_layout, text_key
 from scoring.route_key import route_request
-from scoring.token_mode import TokenKeyer, TokenKeyError, chat_inputs, with_key
+from scoring.token_mode import TokenKeyer, TokenKeyError, with_key
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 # ChatML with the system prompt (and tools) first: a shared system prompt is a shared token prefix.
