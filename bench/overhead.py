@@ -83,6 +83,7 @@ from rich.table import Table
 from bench.metrics import dist, nearest_rank
 from bench.paths import out_path, shown
 from bench.peers import HOST, Proc, free_ports, start, wait_for, warm
+from bench.sse_client import StreamResult, stream
 
 MODEL = "sim-llama"
 CLASSIC_LEVELS = "1,16,100"
@@ -171,21 +172,26 @@ class RunStats:
         return nearest_rank(sorted(xs), q)
 
 
+CLIENT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError,)  # a timeout raises
+
+
 async def drive(
     url: str,
     n: int,
     concurrency: int,
     max_tokens: int,
-    stream: bool,
     progress: Progress | None = None,
     key: str | None = None,
 ) -> RunStats:
+    """`n` streamed chats, `concurrency` at a time (bench.sse_client, byte mode): TTFT = first
+    body bytes, SSE events counted; a status other than 200 or a client error is an error (a
+    timeout raises)."""
     body = json.dumps(
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": max_tokens,
-            "stream": stream,
+            "stream": True,
             "ignore_eos": True,
         }
     ).encode()
@@ -196,35 +202,26 @@ async def drive(
     sem = asyncio.Semaphore(concurrency)
     task = progress.add_task(f"{url} c={concurrency}", total=n) if progress else None
     conn = aiohttp.TCPConnector(limit=0)
+    chat = url + "/v1/chat/completions"
     async with aiohttp.ClientSession(connector=conn) as session:
 
         async def one() -> None:
             async with sem:
-                t0 = time.perf_counter()
+                res = StreamResult()
                 try:
-                    async with session.post(
-                        url + "/v1/chat/completions", data=body, headers=headers
-                    ) as r:
-                        if r.status != 200:
-                            st.errors += 1
-                            await r.read()
-                            return
-                        if stream:
-                            first = True
-                            async for chunk in r.content.iter_any():
-                                if first:
-                                    st.ttft.append(time.perf_counter() - t0)
-                                    first = False
-                                st.events += chunk.count(b"\n\n")
-                        else:
-                            await r.read()
-                            st.ttft.append(time.perf_counter() - t0)
-                    st.e2e.append(time.perf_counter() - t0)
-                except aiohttp.ClientError:
-                    st.errors += 1
+                    await stream(
+                        session, chat, body, headers, parse=False, result=res, catch=CLIENT_ERRORS
+                    )
                 finally:
+                    st.events += res.events  # a failed stream's events were relayed too
                     if progress is not None and task is not None:
                         progress.advance(task)
+                if res.ttfb is not None:
+                    st.ttft.append(res.ttfb)
+                if res.error is not None:
+                    st.errors += 1
+                elif res.e2e is not None:
+                    st.e2e.append(res.e2e)
 
         # Warm the pools so connection setup is not measured.
         await asyncio.gather(*(one() for _ in range(min(concurrency, 20))))
@@ -259,7 +256,7 @@ def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dic
             extra += f'[quota]\nbackend = "redis"\nredis_url = "{redis.url}"\n'
     try:
         with gateway(worker, "aiohttp", core, extra) as gw:
-            v = asyncio.run(drive(gw, n, 32, 16, True, prog, key=BENCH_KEY if extra else None))
+            v = asyncio.run(drive(gw, n, 32, 16, prog, key=BENCH_KEY if extra else None))
     finally:
         if redis is not None:
             redis.close()
@@ -309,7 +306,7 @@ def classic(args: argparse.Namespace, con: Console) -> int:
         worker = f"http://127.0.0.1:{port}"
         _wait(worker + "/health")
         for c in levels:
-            d = asyncio.run(drive(worker, args.requests, c, args.max_tokens, True, prog))
+            d = asyncio.run(drive(worker, args.requests, c, args.max_tokens, prog))
             row = {
                 "concurrency": c,
                 "direct_p50_ms": d.pct(d.ttft, 50) * 1e3,
@@ -318,7 +315,7 @@ def classic(args: argparse.Namespace, con: Console) -> int:
             }
             for client in clients:
                 with gateway(worker, client, gw_core, policy=policy) as gw:
-                    v = asyncio.run(drive(gw, args.requests, c, args.max_tokens, True, prog))
+                    v = asyncio.run(drive(gw, args.requests, c, args.max_tokens, prog))
                 row[client] = {
                     "p50_ms": v.pct(v.ttft, 50) * 1e3,
                     "p99_ms": v.pct(v.ttft, 99) * 1e3,
@@ -332,7 +329,7 @@ def classic(args: argparse.Namespace, con: Console) -> int:
         for client in clients:
             with gateway(worker, client, gw_core) as gw:
                 n = max(200, int(args.capacity_seconds * 150))
-                v = asyncio.run(drive(gw, n, 64, 256, True, prog))
+                v = asyncio.run(drive(gw, n, 64, 256, prog))
             results["capacity"].append(  # type: ignore[union-attr]
                 {
                     "client": client,
@@ -611,28 +608,20 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
         ).encode()
 
     async def one(session: aiohttp.ClientSession) -> tuple[float, float, str]:
-        """(TTFB, e2e, error kind or "") of one request."""
-        data = body()
-        t0 = time.monotonic()
-        ttfb, kind = 0.0, ""
-        try:
-            async with session.post(url, data=data, headers=headers) as r:
-                if r.status != 200:
-                    await r.read()
-                    kind = f"HTTP {r.status}"
-                else:
-                    tail, first = b"", True
-                    async for chunk in r.content.iter_any():
-                        if first:
-                            ttfb, first = time.monotonic() - t0, False
-                        tail = (tail + chunk)[-64:]
-                    if b"[DONE]" not in tail:
-                        kind = "stream ended without [DONE]"
-        except TimeoutError:
+        """(TTFB, e2e, error kind or "") of one request (bench.sse_client, byte mode)."""
+        res = await stream(session, url, body(), headers, parse=False, catch=LADDER_ERRORS)
+        e2e = res.e2e if res.e2e is not None else time.perf_counter() - res.sent_at
+        if isinstance(res.exc, TimeoutError):
             kind = "timeout"
-        except aiohttp.ClientError as e:
-            kind = type(e).__name__
-        return ttfb, time.monotonic() - t0, kind
+        elif res.exc is not None:
+            kind = type(res.exc).__name__
+        elif res.status != 200:
+            kind = res.error or ""
+        elif b"[DONE]" not in res.tail:
+            kind = "stream ended without [DONE]"
+        else:
+            kind = ""
+        return res.ttfb or 0.0, e2e, kind
 
     async def connect(session: aiohttp.ClientSession, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -677,6 +666,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
     return out
 
 
+LADDER_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, aiohttp.ClientError)
 CONNECTED = "connected"
 
 

@@ -14,8 +14,9 @@ bounded by `--max-concurrency` (a request over the bound waits; its lateness is 
 Each request streams `/v1/completions` with the trace's prompt as token ids (exact length, no
 tokenizer drift) or, with `--endpoint chat`, `/v1/chat/completions` with a text prompt of one
 common word per token; `max_tokens = output_length`, `ignore_eos`, `stream_options.include_usage`.
-Timing follows `vllm bench serve`: TTFT = first SSE chunk with choices, ITL = gaps between such
-chunks, TPOT = (E2E - TTFT) / (output tokens - 1), output tokens from `usage.completion_tokens`.
+Timing follows `vllm bench serve` (bench.sse_client, parse mode, defines it): TTFT = first SSE
+chunk with choices, ITL = gaps between such chunks, TPOT = (E2E - TTFT) / (output tokens - 1),
+output tokens from `usage.completion_tokens`.
 The prompt length the server saw (`usage.prompt_tokens`) is checked against the trace within a
 stated tolerance (token ids: exact; chat: the template adds a few tokens).
 
@@ -50,6 +51,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.metrics import SLO, balance, dist, machine, tpot
 from bench.paths import out_path, shown
+from bench.sse_client import StreamResult, stream
 from bench.traces import (
     Trace,
     TraceError,
@@ -175,57 +177,38 @@ async def _one(
     if req.session_id:
         headers[opts.session_header] = req.session_id
     data = orjson.dumps(build_body(req, opts))
-    start = time.perf_counter()
-    rec.sent_s = start - t0
-    last = None
-    chunks = 0
+    res = StreamResult()
+    cancelled = False
     try:
-        async with http.post(rec.url + path, data=data, headers=headers) as resp:
-            rec.status = resp.status
-            rec.worker = resp.headers.get("x-kvgate-worker")
-            if resp.status != 200:
-                rec.error = (await resp.text())[:MAX_ERROR_CHARS]
-                return
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    break
-                now = time.perf_counter()
-                try:
-                    ev = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    rec.error = f"bad SSE payload: {payload[:100]!r}"
-                    return
-                if "error" in ev and not ev.get("choices"):
-                    rec.error = str(ev["error"])[:MAX_ERROR_CHARS]
-                    return
-                if ev.get("choices"):
-                    chunks += 1
-                    if rec.ttft is None:
-                        rec.ttft = now - start
-                    elif last is not None:
-                        rec.itl.append(now - last)
-                    last = now
-                usage = ev.get("usage")
-                if usage:
-                    rec.prompt_tokens = usage.get("prompt_tokens")
-                    rec.output_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
-            rec.e2e = time.perf_counter() - start
-            if not rec.output_tokens:
-                rec.output_tokens = chunks
-            rec.ok = rec.ttft is not None
-            if not rec.ok:
-                rec.error = "stream ended without a token"
+        await stream(http, rec.url + path, data, headers, parse=True, result=res)
     except asyncio.CancelledError:
-        rec.error = "cancelled (duration/drain bound)"
+        cancelled = True
         raise
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        rec.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+    finally:
+        _record(rec, res, t0)
+        if cancelled:
+            rec.error = "cancelled (duration/drain bound)"
+
+
+def _record(rec: RequestRecord, res: StreamResult, t0: float) -> None:
+    """`res` (bench.sse_client, parse mode: its timing definitions) into the request's record:
+    an error body for a status other than 200, otherwise the stream's error; e2e, `ok` and the
+    output-token fallback (events with choices) only for a stream read to its end."""
+    rec.sent_s = res.sent_at - t0
+    rec.status = res.status
+    rec.worker = res.worker
+    rec.ttft = res.ttft
+    rec.itl = res.itl
+    rec.prompt_tokens = res.prompt_tokens
+    rec.cached_tokens = res.cached_tokens
+    rec.output_tokens = res.output_tokens or 0
+    error = res.text if res.status not in (0, 200) and res.exc is None else res.error
+    rec.error = None if error is None else error[:MAX_ERROR_CHARS]
+    if res.status == 200 and res.e2e is not None:
+        rec.e2e = res.e2e
+        if not rec.output_tokens:
+            rec.output_tokens = res.chunks
+        rec.ok = res.ttft is not None
 
 
 async def replay(

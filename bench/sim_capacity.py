@@ -11,7 +11,8 @@ with `os.sched_setaffinity`; a load generator in another process (pinned to the 
 keeps `streams-per-worker` streaming chat requests in flight per worker (closed loop: a finished
 request is immediately replaced), each with a ~1,500-character prompt (a shared system prompt plus
 a unique question) and `max_tokens` output tokens. The generator speaks raw HTTP/1.1 over
-keep-alive connections and only counts SSE events, so it stays far cheaper than the server.
+keep-alive connections and only looks for SSE events (`bench.sse_client.stream_http1`, whose
+docstring defines the timings), so it stays far cheaper than the server.
 
 Reported per level: completed requests/s and streamed tokens/s (all on the sim's one core), TTFT
 and time-per-output-token (TPOT, the mean ITL of a request) percentiles, and the CPU share used by
@@ -44,6 +45,7 @@ from rich.table import Table
 
 from bench.metrics import nearest_rank
 from bench.peers import free_ports
+from bench.sse_client import stream_http1
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -113,40 +115,21 @@ async def _stream_loop(
     out: dict[str, Any],
 ) -> None:
     """One closed-loop client: a keep-alive connection, one streaming request after another."""
-    loop = asyncio.get_running_loop()
     i = seed
     reader, writer = await asyncio.open_connection(HOST, port)
     try:
-        while loop.time() < stop_at:
+        while time.perf_counter() < stop_at:
             i += 1
-            t0 = loop.time()
-            writer.write(_request_bytes(port, i, max_tokens))
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
+            res = await stream_http1(reader, writer, _request_bytes(port, i, max_tokens))
+            if res.error is not None or res.ttft is None or res.e2e is None:
                 out["errors"] += 1
                 return
-            first = last = 0.0
-            tail = b""
-            while True:
-                data = await reader.read(65536)
-                if not data:
-                    out["errors"] += 1
-                    return
-                now = loop.time()
-                if not first and b"data: " in data:
-                    first = now
-                last = now
-                tail = (tail + data)[-64:]
-                if tail.endswith(b"\r\n0\r\n\r\n"):
-                    break
-            if b"[DONE]" not in tail:
-                out["errors"] += 1
-                return
+            last = res.sent_at + res.e2e
             if measure_from <= last <= stop_at:
                 out["requests"] += 1
-                out["ttft"].append(first - t0)
+                out["ttft"].append(res.ttft)
                 if max_tokens > 1:
-                    out["tpot"].append((last - first) / (max_tokens - 1))
+                    out["tpot"].append((res.e2e - res.ttft) / (max_tokens - 1))
     finally:
         writer.close()
         with contextlib.suppress(Exception):
@@ -156,9 +139,8 @@ async def _stream_loop(
 async def _drive(
     ports: list[int], streams: int, max_tokens: int, warmup_s: float, window_s: float
 ) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
     out: dict[str, Any] = {"requests": 0, "errors": 0, "ttft": [], "tpot": []}
-    start = loop.time()
+    start = time.perf_counter()
     measure_from = start + warmup_s
     stop_at = measure_from + window_s
     tasks = [

@@ -84,6 +84,7 @@ from rich.table import Table
 from bench.metrics import dist, machine
 from bench.paths import out_path
 from bench.peers import free_ports
+from bench.sse_client import StreamResult, stream
 
 MODEL = "sim-llama"
 CHAT_PATH = "/v1/chat/completions"
@@ -564,8 +565,9 @@ def _error_doc(raw: bytes) -> tuple[str | None, bool]:
 
 
 class Client:
-    """Streaming chat requests with per-tenant keys; TTFT = first body bytes (the simulated
-    worker, like vLLM, sends its role chunk together with the first token)."""
+    """Streaming chat requests with per-tenant keys, through bench.sse_client in byte mode:
+    TTFT = first body bytes (the simulated worker, like vLLM, sends its role chunk together with
+    the first token)."""
 
     def __init__(
         self,
@@ -598,41 +600,48 @@ class Client:
     async def send(self, tenant: str, body: bytes, out: Outcome, t0: float) -> None:
         """Fill `out`; never raises (except cancellation)."""
         assert self.session is not None
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        out.t_sent = start - t0
+        res = StreamResult()
         try:
-            async with asyncio.timeout(self.ttft_timeout) as tmo:
-                async with self.session.post(
-                    self.url, data=body, headers=self.headers[tenant]
-                ) as r:
-                    out.status = r.status
-                    out.worker = r.headers.get("x-kvgate-worker")
-                    if r.status != 200:
-                        out.retry_after = r.headers.get("retry-after")
-                        out.admission = r.headers.get(ADMISSION_HEADER)
-                        out.code, out.openai_shaped = _error_doc(await r.read())
-                        out.e2e = time.perf_counter() - start  # how fast a refusal comes
-                        out.error = "http"
-                        return
-                    tail = b""
-                    async for chunk in r.content.iter_any():
-                        if out.ttft is None:
-                            out.ttft = time.perf_counter() - start
-                            tmo.reschedule(loop.time() + self.stream_timeout)
-                        buf = tail + chunk
-                        if b'{"error"' in buf:
-                            out.error = "stream_error"
-                        tail = buf[-32:]
-                    out.e2e = time.perf_counter() - start
-                    if out.ttft is None:
-                        out.error = "empty_stream"
-                    elif out.error is None and not tail.rstrip().endswith(b"[DONE]"):
-                        out.error = "truncated"
-        except TimeoutError:
-            out.error = "timeout_ttft" if out.ttft is None else "timeout_stream"
-        except (aiohttp.ClientError, OSError) as e:
-            out.error = type(e).__name__
+            await stream(
+                self.session,
+                self.url,
+                body,
+                self.headers[tenant],
+                parse=False,
+                result=res,
+                ttft_timeout=self.ttft_timeout,
+                stream_timeout=self.stream_timeout,
+            )
+        finally:
+            _outcome(out, res, t0)
+
+
+def _outcome(out: Outcome, res: StreamResult, t0: float) -> None:
+    """`res` (bench.sse_client, byte mode: TTFT = first body bytes) into `out`, with the spike's
+    error kinds: http, stream_error, empty_stream, truncated, timeout_ttft / timeout_stream (the
+    client's own bounds) or the exception's type."""
+    out.t_sent = res.sent_at - t0
+    out.status = res.status
+    out.worker = res.worker
+    out.ttft = res.ttft
+    if res.status not in (0, 200) and res.headers is not None:
+        out.retry_after = res.headers.get("retry-after")
+        out.admission = res.headers.get(ADMISSION_HEADER)
+    out.e2e = res.e2e  # a refusal's: how fast it comes
+    if res.stream_error:
+        out.error = "stream_error"
+    if res.status not in (0, 200) and res.e2e is not None:
+        out.code, out.openai_shaped = _error_doc(res.body)
+        out.error = "http"
+    elif res.status == 200 and res.e2e is not None:
+        if res.ttft is None:
+            out.error = "empty_stream"
+        elif out.error is None and not res.done:
+            out.error = "truncated"
+    if isinstance(res.exc, TimeoutError):
+        out.error = "timeout_ttft" if res.ttft is None else "timeout_stream"
+    elif res.exc is not None:
+        out.error = type(res.exc).__name__
 
 
 async def open_loop(
