@@ -68,6 +68,8 @@ class KVAware(_Learning):
             state.sessions.lookup(request.session_id, self._clock()) if request.session_id else None
         )
         last, last_tokens = entry if entry else (None, 0)
+        own_committed = last_tokens  # this session's last turn, counted in its worker's commitment
+        committed = state.sessions.committed(self._clock()) if self.options.commitment_slack else {}
         if last in trusted:
             # The session's worker publishes events: what it holds of this prompt is known, so
             # its last turn is not assumed to be cached there (it may have been evicted).
@@ -80,14 +82,13 @@ class KVAware(_Learning):
         pool = candidates
         if d and len(candidates) > 2 * d:
             pool = self._sample(candidates, matches, last, d)
-        ties, best, n_ok, n_held, best_match = scan(pool, request, matches, last, last_tokens, True)
+        ctx = (matches, last, last_tokens, committed, own_committed)
+        ties, best, n_ok, n_held, best_match = scan(pool, request, ctx, True)
         if n_ok == 0 and pool is not candidates:  # the sample is saturated: look at everyone
             pool = candidates
-            ties, best, n_ok, n_held, best_match = scan(
-                pool, request, matches, last, last_tokens, True
-            )
+            ties, best, n_ok, n_held, best_match = scan(pool, request, ctx, True)
         if n_ok + n_held == 0:  # every worker is saturated: score them all, the queue decides
-            ties, best, _n, _h, best_match = scan(pool, request, matches, last, last_tokens, False)
+            ties, best, _n, _h, best_match = scan(pool, request, ctx, False)
         tol = self.options.tie_tolerance
         if len(ties) > 1:
             ties = [t for t in ties if t[0] >= best - tol]
@@ -186,9 +187,7 @@ class KVAware(_Learning):
         self,
         candidates: Sequence[WorkerView],
         request: RouteRequest,
-        matches: dict[str, int],
-        last: str | None,
-        last_tokens: int,
+        ctx: tuple[dict[str, int], str | None, int, dict[str, int], int],
         skip_saturated: bool,
     ) -> tuple[list[tuple[Any, ...]], float, int, int, int]:
         """Score candidates; returns (near-best rows, best score, #unsaturated, #KV-saturated
@@ -202,7 +201,11 @@ class KVAware(_Learning):
         The session's last worker is credited with its last turn's prompt (capped at this one) when
         the index holds all of this request's chain there: past the hashed range (or with no chain)
         only the session knows what it caches; within it the index also knows about evictions.
+
+        ``ctx`` is (prefix matches, the session's last worker, its last turn's tokens, the
+        workers' session commitment, this session's share of it).
         """
+        matches, last, last_tokens, committed, own_committed = ctx
         o = self.options
         wt = self.weights
         covered = request.matched_tokens
@@ -229,8 +232,14 @@ class KVAware(_Learning):
         # ``name in session`` rather than ``name == last``: the same test, but comparing a str with
         # None (no session, the common case) takes Python's slow reflected-comparison path.
         session = () if last is None else (last,)
+        cget = committed.get
+        min_committed = float("inf") if committed else 0.0
         for w in candidates:
             name = w.name
+            if committed:
+                c = cget(name, 0) - (own_committed if name in session else 0)
+                if c < min_committed:
+                    min_committed = c
             e = memo_get(name)
             if e is None or e[0] is not w:
                 e = memo[name] = load(w)
@@ -275,6 +284,8 @@ class KVAware(_Learning):
                     hi, lo = best + tol, best - tol
         wp, ws = wt.prefix, wt.session
         slack = o.affinity_slack
+        cslack = o.commitment_slack
+        cratio = o.affinity_max_ratio
         inv_tps = 1.0 / o.prefill_tokens_per_s
         horizon = o.queue_horizon_s
         for w, m, queue, kv, inv_cap, wait in special:
@@ -294,6 +305,15 @@ class KVAware(_Learning):
                 elif slack > 0:
                     y = 1.0 - extra / (slack * matched * inv_tps)
                     eff = prefix * y if y > 0 else 0.0
+                if committed and eff > 0 and w.name != last:
+                    # commitment_yield: a hit for a session not living here yet (a shared
+                    # preamble, mostly) weighed against the contexts this worker already carries;
+                    # a session's own worker keeps its credit (moving it re-prefills its history).
+                    c = cget(w.name, 0)
+                    excess = c - min_committed
+                    if excess > 0 and c > cratio * min_committed:
+                        y = 1.0 - excess / (cslack * matched)
+                        eff = eff * y if y > 0 else 0.0
             own = prompt - matched if prompt > matched else 0.0
             if inv_cap:
                 kv += own * inv_cap

@@ -5,11 +5,16 @@ holds it. The prefix index sees that too, but a session id survives what the ind
 (a context longer than the hashed range) and is a cheap stickiness hint for ties, so it is kept as
 a second signal. Pure: the caller passes ``now``, so the
 same table runs under the simulator's virtual clock.
+
+It also keeps each worker's *commitment*: the last-turn prompts of the sessions pinned there
+that were active within ``active_s``. Those contexts come back (an agent's next call, a chat's
+next turn) and grow, so a worker already carrying several long ones is a worse home for a new
+session than its cache hit on a shared preamble suggests (``kv_aware`` weighs it).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 __all__ = ["SessionTable"]
 
@@ -17,13 +22,21 @@ __all__ = ["SessionTable"]
 class SessionTable:
     """LRU map with a TTL; entries stay ordered by last use, so expiry pops from the front."""
 
-    def __init__(self, ttl_s: float = 600.0, max_size: int = 100_000) -> None:
-        if ttl_s <= 0 or max_size <= 0:
-            raise ValueError("ttl_s and max_size must be positive")
+    def __init__(
+        self, ttl_s: float = 600.0, max_size: int = 100_000, active_s: float = 60.0
+    ) -> None:
+        if ttl_s <= 0 or max_size <= 0 or active_s < 0:
+            raise ValueError("ttl_s and max_size must be positive, active_s >= 0")
         self.ttl_s = ttl_s
         self.max_size = max_size
+        self.active_s = active_s
         # session -> (worker, last use, prompt tokens of the last turn sent there)
         self._table: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
+        # Commitment: worker -> tokens of its active sessions; the active ones and when each
+        # turn was noted (in note order: a peer's late note may expire a little late).
+        self._committed: dict[str, int] = {}
+        self._active: dict[str, tuple[str, float, int]] = {}
+        self._noted: deque[tuple[float, str]] = deque()
 
     def __len__(self) -> int:
         return len(self._table)
@@ -53,6 +66,7 @@ class SessionTable:
         table = self._table
         table[session_id] = (worker, now, prompt_tokens)
         table.move_to_end(session_id)
+        self._commit(session_id, worker, now, prompt_tokens)
         while table:
             sid, (_w, seen, _t) = next(iter(table.items()))
             if now - seen > self.ttl_s or len(table) > self.max_size:
@@ -77,4 +91,33 @@ class SessionTable:
         gone = [sid for sid, (w, _seen, _t) in self._table.items() if w == worker]
         for sid in gone:
             del self._table[sid]
+        for sid in [sid for sid, e in self._active.items() if e[0] == worker]:
+            del self._active[sid]
+        self._committed.pop(worker, None)
         return len(gone)
+
+    def committed(self, now: float) -> dict[str, int]:
+        """Worker -> prompt tokens of the sessions whose last turn went there within
+        ``active_s`` (each session counted once, at its latest turn). Read-only for callers."""
+        self._expire(now)
+        return self._committed
+
+    def _commit(self, session_id: str, worker: str, now: float, tokens: int) -> None:
+        committed = self._committed
+        old = self._active.get(session_id)
+        if old is not None:
+            committed[old[0]] -= old[2]
+        self._active[session_id] = (worker, now, tokens)
+        committed[worker] = committed.get(worker, 0) + tokens
+        self._noted.append((now, session_id))
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        noted, active, committed = self._noted, self._active, self._committed
+        horizon = now - self.active_s
+        while noted and noted[0][0] < horizon:
+            at, sid = noted.popleft()
+            e = active.get(sid)
+            if e is not None and e[1] == at:  # else a later turn replaced it
+                del active[sid]
+                committed[e[0]] -= e[2]

@@ -35,7 +35,7 @@ class RoutingState:
         # What workers with KV events really hold; fed by their events, not by our decisions, so
         # it survives option changes (its keys depend on token ids and block size only).
         self.precise = precise
-        self.sessions = SessionTable(o.session_ttl_s, o.session_max)
+        self.sessions = SessionTable(o.session_ttl_s, o.session_max, o.session_active_s)
         # Set by a gateway whose replicas share what they learn (gateway.cluster): every dispatch
         # is noted here for the others, besides being learned locally.
         self.journal: Journal | None = None
@@ -62,6 +62,7 @@ class RoutingState:
         self._text_block_tokens = o.text_block_tokens
         self.sessions.ttl_s = o.session_ttl_s
         self.sessions.max_size = o.session_max
+        self.sessions.active_s = o.session_active_s
 
     def sync_capacity(self, w: WorkerView) -> None:
         """Size a worker's index budget from its reported KV cache (num_gpu_blocks * block_size)."""

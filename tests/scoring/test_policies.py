@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -279,6 +280,34 @@ def test_a_long_agent_session_stays_put_through_a_queue_a_short_chat_would_avoid
         if tokens == 60_000:
             assert d.reason == "session" and d.prefill_tokens == 200
             assert d.scores["prefix"] == pytest.approx((tokens - 200) / tokens)
+
+
+def test_new_sessions_spread_off_a_preamble_holder_that_carries_many_contexts() -> None:
+    """The agentic pile-up: every new session matches the shared system prompt on ``a`` only;
+    counted as a plain cache hit, all of them would go there and grow there. With the sessions
+    already pinned to ``a`` weighed, new ones go to the other workers, while a session already
+    living on ``a`` stays (its session credit)."""
+    now = [0.0]
+    views = [WorkerView("a", running=2, in_flight=2, in_flight_at_scrape=2), *idle("b", "c")]
+    for slack, spread in ((4.0, True), (0.0, False)):
+        p = KVAware(rng=random.Random(0), clock=lambda: now[0])
+        p.set_options(RoutingOptions(commitment_slack=slack))
+        for i in range(6):  # six long sessions live on a, each 60k tokens so far
+            r = key(p, chat(f"task {i}"), session_id=f"old{i}")
+            p.on_dispatch("a", dataclasses.replace(r, prompt_tokens=60_000))
+        new = [
+            p.choose(views, key(p, chat(f"new task {i}"), session_id=f"new{i}")) for i in range(8)
+        ]
+        # a holds their preamble ("load_fallback": a hit was there, and was not taken)
+        if spread:
+            assert {d.worker.name for d in new} <= {"b", "c"}
+            assert {d.reason for d in new} == {"load_fallback"}
+        else:
+            assert {(d.worker.name, d.reason) for d in new} == {("a", "affinity")}
+        cont = p.choose(views, key(p, chat("task 0 continued"), session_id="old0"))
+        assert cont.worker.name == "a"
+    now[0] = 61.0  # past session_active_s: nothing is committed any more, the hit counts again
+    assert p.choose(views, key(p, chat("late"), session_id="late")).worker.name == "a"
 
 
 def test_set_weights_applies_to_the_next_decision_and_keeps_the_learned_index() -> None:

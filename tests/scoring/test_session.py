@@ -58,3 +58,35 @@ def test_rejects_nonsense_bounds() -> None:
         SessionTable(ttl_s=0)
     with pytest.raises(ValueError):
         SessionTable(max_size=0)
+
+
+def test_commitment_counts_each_active_session_once_at_its_latest_turn() -> None:
+    t = SessionTable(active_s=60.0)
+    t.put("s1", "a", 0.0, 10_000)
+    t.put("s2", "a", 1.0, 5_000)
+    t.put("s3", "b", 2.0, 7_000)
+    assert t.committed(2.0) == {"a": 15_000, "b": 7_000}
+    t.put("s1", "a", 10.0, 12_000)  # the next turn replaces the last one, not added to it
+    assert t.committed(10.0)["a"] == 17_000
+    t.put("s2", "b", 20.0, 6_000)  # moved: leaves a, joins b
+    assert t.committed(20.0) == {"a": 12_000, "b": 13_000}
+
+
+def test_commitment_expires_after_the_active_window_but_not_on_a_later_turn() -> None:
+    t = SessionTable(active_s=60.0)
+    t.put("s1", "a", 0.0, 10_000)
+    t.put("s2", "a", 0.0, 4_000)
+    t.put("s1", "a", 50.0, 11_000)  # s1 is still active at 61 s, s2 is not
+    assert t.committed(61.0)["a"] == 11_000
+    assert t.committed(111.0)["a"] == 0
+    assert t.get("s2", 111.0) == "a"  # the pin itself lives for the TTL
+
+
+def test_remove_worker_drops_its_commitment() -> None:
+    t = SessionTable()
+    t.put("s1", "a", 0.0, 10_000)
+    t.put("s2", "b", 0.0, 3_000)
+    t.remove_worker("a")
+    assert t.committed(1.0) == {"b": 3_000}
+    t.put("s1", "b", 2.0, 11_000)  # the session comes back elsewhere: nothing to subtract
+    assert t.committed(2.0) == {"b": 14_000}
