@@ -105,7 +105,6 @@ class Gateway:
         self.metrics.registry.register(KVEventCollector(self.kv_fleet))
         self.metrics.registry.register(LogCollector())
         self._kv_sync_lock = asyncio.Lock()
-        self._health_seen: dict[str, tuple[Health, float | None]] = {}
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
@@ -375,36 +374,17 @@ class Gateway:
         m.probe_seconds.labels(w.name).observe(seconds)
         if not ok:
             m.probe_failures.labels(w.name).inc()
-        self._export_health(w)
+        self.metrics.export_health(w.name, w.health)
         if w.spec.kv_events:
-            self._watch_restarts(w)
+            self.kv_fleet.note_probe(w.name, w.health is Health.HEALTHY, w.metrics.process_start)
             if w.models and not self.kv_fleet.subscribed(w.name):
                 self._schedule_kv_sync()
         self.admission.kick()  # fresh metrics (or a readmitted worker) may make room
 
-    def _watch_restarts(self, w: Worker) -> None:
-        """A health flap or a new process start time voids what the worker's events told us."""
-        seen = self._health_seen.get(w.name)
-        now = (w.health, w.metrics.process_start)
-        self._health_seen[w.name] = now
-        if seen is None:
-            return
-        was_up, is_up = seen[0] is Health.HEALTHY, now[0] is Health.HEALTHY
-        if was_up and not is_up:
-            self.kv_fleet.resync(w.name, "health")
-        elif seen[1] is not None and now[1] is not None and seen[1] != now[1]:
-            self.kv_fleet.resync(w.name, "restart")
-
-    def _export_health(self, w: Worker) -> None:
-        m = self.metrics
-        m.worker_up.labels(w.name).set(1 if w.health is Health.HEALTHY else 0)
-        for h in Health:
-            m.worker_state.labels(w.name, h.value).set(1 if w.health is h else 0)
-
     def _on_health_change(self, w: Worker, was: Health) -> None:
         """Every health change, whatever caused it (probes, failed requests, the breaker, outlier
         ejection, a half-open trial): exported and logged here, once per transition."""
-        self._export_health(w)
+        self.metrics.export_health(w.name, w.health)
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
 
@@ -412,7 +392,7 @@ class Gateway:
         w = self.registry.workers.get(name)
         if w is None:
             return
-        self._export_health(w)
+        self.metrics.export_health(w.name, w.health)
         if self.prober and w.health is not Health.HEALTHY:
             self.prober.poke(name)
 
@@ -456,14 +436,15 @@ class Gateway:
                 req.modified |= changed
             else:
                 max_out = output_tokens(is_chat, data)
-            if not self.registry.candidates(model):
+            candidates = self.registry.candidates(model)
+            if not candidates:
                 if self.registry.knows_model(model) or not self.registry.healthy():
                     raise no_capacity(f"no healthy worker is serving model `{model}`")
                 raise model_not_found(model)
             route = await route_key(
                 policy=self.policy,
                 keyers=self.token_keyers,
-                views=(w.view() for w in self.registry.candidates(model)),
+                views=(w.view() for w in candidates),
                 options=self.routing_options,
                 token_mode=settings.routing.token_mode,
                 is_chat=is_chat,

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.logs import log_handler
+from workers.worker import Health
 
 # Observations a BatchedHistogram holds before it hands them to prometheus_client, so a scrape
 # during a long stream sees its gaps too (64 gaps of a 50 ms ITL: ~3 s late at most).
@@ -75,10 +76,27 @@ _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+class _FlushFirst(Collector):
+    """Registered before every metric: whatever collects the registry (the /metrics endpoint,
+    the supervisor's merge, a test's ``get_sample_value``) adds the batched observations first."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self._metrics.flush()
+        return iter(())
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._batched: dict[tuple[int, tuple[str, ...]], BatchedHistogram] = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(_FlushFirst(self))
         self.requests = Counter(
             "kvgate_requests",
             "Finished requests by model, worker and HTTP status",
@@ -270,6 +288,25 @@ class GatewayMetrics:
         if c is None:
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def batched(self, metric: Histogram, *labels: str) -> BatchedHistogram:
+        """A labelled histogram child observed in batches (per-request histograms: ~0.3 us an
+        observation against ~2.4 us), exact whenever the registry is collected."""
+        key = (id(metric), labels)
+        b = self._batched.get(key)
+        if b is None:
+            b = self._batched[key] = BatchedHistogram(metric.labels(*labels) if labels else metric)
+        return b
+
+    def flush(self) -> None:
+        for b in self._batched.values():
+            b.flush()
+
+    def export_health(self, name: str, health: Health) -> None:
+        """A worker's health as `kvgate_worker_up` and one-hot `kvgate_worker_state`."""
+        self.worker_up.labels(name).set(1 if health is Health.HEALTHY else 0)
+        for h in Health:
+            self.worker_state.labels(name, h.value).set(1 if health is h else 0)
 
     def forget_worker(self, name: str, states: list[str]) -> None:
         """Drop a removed worker's series so dashboards do not show ghosts."""

@@ -258,7 +258,9 @@ class Proxy:
         if call.attempts == 1:
             m.child(m.routing_decisions, policy.name, d.reason).inc()
             if call.route.chain:
-                m.prefix_match.observe(min(1.0, d.matched_blocks / len(call.route.chain)))
+                m.batched(m.prefix_match).observe(
+                    min(1.0, d.matched_blocks / len(call.route.chain))
+                )
         q = d.scores.get("queue")
         if q is not None:
             m.child(m.queue_delay, d.worker.name).set(q)
@@ -290,7 +292,7 @@ class Proxy:
         source = d.match_source or "none"
         m = self.metrics
         m.child(m.cached_prediction, source, outcome).inc()
-        m.child(m.cached_prediction_error, source).observe(abs(diff))
+        m.batched(m.cached_prediction_error, source).observe(abs(diff))
 
     def _acquire(self, worker: Worker, call: Call, prefill_tokens: int) -> None:
         worker.in_flight += 1
@@ -326,14 +328,14 @@ class Proxy:
         await self.host.settle(call)
         m = self.metrics
         m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
-        m.child(m.e2e, call.model).observe(e2e)
+        m.batched(m.e2e, call.model).observe(e2e)
         if call.status == 200:
             u = call.usage
             if call.ttft is not None:  # streams only: a whole response has no first token
-                m.child(m.ttft, call.model, call.pool).observe(call.ttft)
+                m.batched(m.ttft, call.model, call.pool).observe(call.ttft)
                 if u is not None and u.completion_tokens > 1:
                     tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
-                    m.child(m.tpot, call.model, call.pool).observe(tpot)
+                    m.batched(m.tpot, call.model, call.pool).observe(tpot)
             if u is not None and call.route_debug is not None and call.route.chain:
                 self._record_prediction(call, call.route_debug, u.cached_tokens)
         if self.host.settings.logging.requests and reqlog.isEnabledFor(logging.INFO):

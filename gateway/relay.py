@@ -201,7 +201,7 @@ class RelayResponse(Response):
         call = self._call
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         m = self._proxy.metrics
-        self._inter = BatchedHistogram(m.child(m.inter_event, call.model))
+        self._inter = m.batched(m.inter_event, call.model)
         self._last_chunk = time.perf_counter()
         splice = getattr(self._resp, "splice", None)
         if splice is not None:
@@ -252,8 +252,6 @@ class RelayResponse(Response):
             )
             await self._end(send)
             return
-        finally:
-            self._inter.flush()
         # Everything is settled before the client sees the end: a client that starts its next
         # request on [DONE] must find its concurrency lease and the worker's slot already free
         # (else a false 429 at max_concurrent).

@@ -105,6 +105,8 @@ class KVEventFleet:
     def __init__(self, sink: PreciseSink) -> None:
         self.sink = sink
         self._subs: dict[str, tuple[KVEndpoint, KVEventSubscriber]] = {}
+        # worker -> (was it healthy, its process start time) at the previous probe
+        self._seen: dict[str, tuple[bool, float | None]] = {}
 
     @property
     def index(self) -> PreciseIndex:
@@ -139,6 +141,18 @@ class KVEventFleet:
             self._subs[name] = (ep, sub)
             await sub.start()
             log.info("kv events: subscribed to %s for %s", ep.endpoint, name)
+
+    def note_probe(self, worker: str, healthy: bool, process_start: float | None) -> None:
+        """A probe's outcome: a health flap or a new process start time voids what the worker's
+        events told us (a restarted engine's cache is empty; a flap may have lost events)."""
+        seen = self._seen.get(worker)
+        self._seen[worker] = (healthy, process_start)
+        if seen is None:
+            return
+        if seen[0] and not healthy:
+            self.resync(worker, "health")
+        elif seen[1] is not None and process_start is not None and seen[1] != process_start:
+            self.resync(worker, "restart")
 
     def resync(self, worker: str, reason: str) -> None:
         """The prober saw the worker restart or flap: what we knew of its cache is void."""

@@ -834,3 +834,22 @@ async def test_bad_endpoint_leaves_an_inert_subscriber() -> None:
     await sub.start()
     assert not sub.running and sink.live is False
     await sub.stop()
+
+
+def test_a_health_flap_or_a_new_process_voids_what_the_events_said() -> None:
+    """The fleet resyncs a worker's subscriber when a probe finds it down after up (events may
+    be lost) or running a new process (its cache is empty); a first probe or a steady one not."""
+    from scoring.precise import PreciseIndex
+    from workers.kv_intake import KVEventFleet, PreciseSink
+
+    fleet = KVEventFleet(PreciseSink(PreciseIndex(), lambda _w: "m"))
+    calls: list[tuple[str, str]] = []
+    fleet.resync = lambda w, why: calls.append((w, why))  # type: ignore[method-assign]
+    fleet.note_probe("w0", True, 100.0)  # first sight: nothing to compare with
+    fleet.note_probe("w0", True, 100.0)
+    assert calls == []
+    fleet.note_probe("w0", False, 100.0)
+    fleet.note_probe("w0", False, 100.0)  # still down: once
+    fleet.note_probe("w0", True, 250.0)  # back, restarted
+    fleet.note_probe("w0", True, None)  # a scrape without the start time says nothing
+    assert calls == [("w0", "health"), ("w0", "restart")]
