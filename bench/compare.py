@@ -90,6 +90,7 @@ from bench.simulate import (
     split_policies,
 )
 from bench.traces import (
+    SAMPLE_BY,
     Trace,
     TraceError,
     cache_bound,
@@ -97,6 +98,7 @@ from bench.traces import (
     exit_on_trace_error,
     head,
     load_trace,
+    rate_time_scale,
     sample,
     scale_time,
 )
@@ -553,15 +555,6 @@ CAPACITY_TTFT_FACTOR = 2.0
 UNLOADED_STRETCH = 1024.0  # the trace's clock x this: arrivals far apart, no queue
 
 
-def rate_time_scale(trace: Trace, rate: float) -> float:
-    """The time scale that replays `trace` at `rate` requests/s on average (its arrivals keep
-    their shape: bursts stay bursts, only the clock runs faster or slower)."""
-    n, span = len(trace.requests), trace.duration_s
-    if n < 2 or span <= 0:
-        return 1.0
-    return ((n - 1) / span) / rate
-
-
 def prepare(args: argparse.Namespace) -> Trace:
     """The sample, with its output capped; its clock is set by `pace`."""
     trace = load_trace(args.trace, args.format)
@@ -657,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--format", default=None)
     g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
     g.add_argument("--sample", type=float, default=0.05, help="fraction (<=1) or count (>1)")
-    g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
+    g.add_argument("--sample-by", default="auto", choices=SAMPLE_BY)
     g.add_argument("--time-scale", type=float, default=None, help="x trace times")
     g.add_argument(
         "--rate",

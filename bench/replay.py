@@ -53,6 +53,7 @@ from bench.metrics import SLO, balance, dist, machine, tpot
 from bench.paths import out_path, shown
 from bench.sse_client import StreamResult, stream
 from bench.traces import (
+    SAMPLE_BY,
     Trace,
     TraceError,
     TraceRequest,
@@ -61,6 +62,7 @@ from bench.traces import (
     load_trace,
     prompt_text,
     prompt_token_ids,
+    rate_time_scale,
     retime_gamma,
     sample,
     scale_time,
@@ -243,6 +245,10 @@ async def replay(
             nonlocal done
             try:
                 async with sem:
+                    # Held back by the concurrency bound past --duration: not sent either.
+                    if opts.duration_s is not None and time.perf_counter() - t0 > opts.duration_s:
+                        rec.error = "not sent (past --duration)"
+                        return
                     await _one(http, req, rec, opts, t0)
             finally:
                 done += 1
@@ -397,7 +403,7 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
     if args.rate:
         trace = retime_gamma(trace, args.rate, args.burstiness, args.seed)
     else:
-        trace = scale_time(trace, args.time_scale)
+        trace = scale_time(trace, args.time_scale or 1.0)
     if args.num_requests:
         trace = head(trace, args.num_requests)
     return trace
@@ -447,12 +453,22 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--format", default=None)
     g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
     g.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
-    g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
+    g.add_argument("--sample-by", default="auto", choices=SAMPLE_BY)
     g.add_argument("--num-requests", type=int, default=None, help="send at most N")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("timing")
-    g.add_argument("--time-scale", type=float, default=1.0, help="x trace times (0.5 = 2x rate)")
+    g.add_argument(
+        "--time-scale", type=float, default=None, help="x trace times (0.5 = 2x rate; default 1)"
+    )
     g.add_argument("--rate", type=float, default=None, help="ignore trace times: req/s")
+    g.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="replay at this fraction of the target's capacity (the trace's arrival pattern, "
+        "its clock scaled): measured first by a closed-loop probe (bench/probe.py), or --capacity",
+    )
+    g.add_argument("--capacity", type=float, default=None, help="with --load: req/s, no probe")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     g.add_argument("--max-concurrency", type=int, default=64)
     g.add_argument("--duration", type=float, default=None, help="send nothing after N s")
@@ -485,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     if not split_urls(args.url):
         p.error("--url: no URL given")
+    if sum(x is not None for x in (args.rate, args.time_scale, args.load)) > 1:
+        p.error("give one of --rate, --time-scale and --load")
+    if args.load is not None and args.load <= 0:
+        p.error("--load must be > 0")
+    if args.capacity is not None and args.load is None:
+        p.error("--capacity goes with --load")
     try:
         trace = prepare_trace(args)
     except TraceError as e:
@@ -500,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout,
         spread_seed=args.seed,
     )
+    pacing = None
+    if args.load is not None:
+        trace, pacing = pace_to_capacity(trace, opts, args.load, args.capacity, console)
     urls = opts.urls
     where = urls[0] if len(urls) == 1 else f"{len(urls)} URLs at random ({', '.join(urls)})"
     console.print(f"replaying {trace.describe()} against {where}", markup=False)
@@ -510,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.quiet,
         console,
         keep_records=not args.no_records,
+        extra={"pacing": pacing} if pacing else None,
     )
     print_summary(res, console)
     if args.json:
@@ -517,6 +543,41 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
         console.print(f"wrote {shown(args.json)}", markup=False)
     return 0 if res["failed"] == 0 else 1
+
+
+def pace_to_capacity(
+    trace: Trace, opts: ReplayOptions, load: float, capacity: float | None, console: Console
+) -> tuple[Trace, dict[str, Any]]:
+    """``--load``: the trace's clock scaled so it arrives at ``load`` x the target's capacity
+    (given, or probed live on re-scoped copies of its requests)."""
+    info: dict[str, Any] = {"by": "load", "load": load}
+    if capacity is None:
+        from bench.probe import run_probe
+
+        console.print("pacing: probing the target's capacity (closed loops) ...", markup=False)
+        probe = run_probe(
+            trace,
+            opts,
+            max_concurrency=opts.max_concurrency,
+            log=lambda m: console.print(m, markup=False),
+        )
+        if probe.req_s <= 0:
+            raise SystemExit("pacing: the probe completed no request; check --url and the fleet")
+        capacity = probe.req_s
+        info["probe"] = probe.to_json()
+        if probe.at_least:
+            console.print(
+                "pacing: still growing at --max-concurrency: the capacity is a lower bound",
+                markup=False,
+            )
+    rate = load * capacity
+    scale = rate_time_scale(trace, rate)
+    info.update(capacity_req_s=round(capacity, 4), rate=round(rate, 4), time_scale=round(scale, 6))
+    console.print(
+        f"pacing: capacity {capacity:.3g} req/s; replaying at {rate:.3g} req/s ({load:g}x)",
+        markup=False,
+    )
+    return scale_time(trace, scale), info
 
 
 def print_summary(res: dict[str, Any], console: Console) -> None:

@@ -56,6 +56,7 @@ from bench.metrics import SLO, balance, dist, fmt_s, machine, tpot
 from bench.paths import MOONCAKE_TRACE, out_path, shown
 from bench.replicas import CLUSTER_PARTS, DEFAULT_DELAY_S, PARTS, ReplicaSync, ShareModel
 from bench.traces import (
+    SAMPLE_BY,
     Trace,
     TraceError,
     TraceRequest,
@@ -895,7 +896,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--format", default=None, help="skip format detection")
     g.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
-    g.add_argument("--sample-by", default="auto", choices=["auto", "request", "session", "prefix"])
+    g.add_argument("--sample-by", default="auto", choices=SAMPLE_BY)
     g.add_argument("--limit", type=int, default=None, help="keep only the first N requests")
     g.add_argument("--seed", type=int, default=0, help="sampling and tie-break seed")
 

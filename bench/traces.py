@@ -666,6 +666,9 @@ def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trac
 # ==================================================================================================
 
 
+SAMPLE_BY = ("auto", "request", "session", "prefix", "window")
+
+
 def sample(
     trace: Trace, amount: float, seed: int = 0, by: str = "auto", keep_times: bool = True
 ) -> Trace:
@@ -674,8 +677,11 @@ def sample(
     The unit sampled decides what sharing survives: `by="session"` keeps or drops whole sessions
     (a conversation cut in the middle loses the prefix sharing it is replayed for), `"prefix"`
     whole prefix families (requests whose first block is the same: Mooncake's shared documents),
-    `"request"` single requests (which thins every family and so the hit-rate bound). `"auto"`
-    picks session when every request has one, else prefix when block ids exist.
+    `"request"` single requests (which thins every family and so the hit-rate bound), `"window"`
+    one contiguous run of requests at a seeded offset (a slice of production time: its rate,
+    burstiness and the overlap of conversations stay as they were; sessions in progress at its
+    edges are cut). `"auto"` picks session when every request has one, else prefix when block
+    ids exist.
     A count counts units (sessions, families or requests). Arrival times are kept, so a fraction
     also scales the rate (stated in the note); `keep_times=False` re-bases the sample at 0.
     """
@@ -702,8 +708,13 @@ def sample(
         idx = sorted(rng.sample(range(len(reqs)), k))
         out = [reqs[i] for i in idx]
         what = f"{k} of {len(reqs)} requests"
+    elif by == "window":
+        k = _amount(amount, len(reqs))
+        start = rng.randrange(len(reqs) - k + 1)
+        out = reqs[start : start + k]
+        what = f"requests {start}-{start + k - 1} of {len(reqs)}, contiguous"
     else:
-        raise ValueError(f"sample by 'request' or 'session', not {by!r}")
+        raise ValueError(f"sample by one of {', '.join(SAMPLE_BY)}, not {by!r}")
     if not keep_times and out:
         t0 = out[0].arrival_s
         out = [_with_time(r, r.arrival_s - t0) for r in out]
@@ -746,6 +757,15 @@ def scale_time(trace: Trace, time_scale: float) -> Trace:
         return trace
     out = [_with_time(r, r.arrival_s * time_scale) for r in trace.requests]
     return trace.replace(out, f"time scale x{time_scale:g} (rate x{1 / time_scale:.3g})")
+
+
+def rate_time_scale(trace: Trace, rate: float) -> float:
+    """The time scale that replays `trace` at `rate` requests/s on average (its arrivals keep
+    their shape: bursts stay bursts, only the clock runs faster or slower)."""
+    n, span = len(trace.requests), trace.duration_s
+    if n < 2 or span <= 0:
+        return 1.0
+    return ((n - 1) / span) / rate
 
 
 def cap_output(trace: Trace, max_tokens: int) -> Trace:

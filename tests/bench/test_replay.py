@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from itertools import pairwise
 
 import pytest
@@ -91,6 +92,16 @@ async def test_duration_bounds_what_is_sent() -> None:
         records = await replay(Trace(reqs, "h", "k"), opts)
     res = summarize(records, opts, SLO())
     assert res["completed"] == 3 and res["not_sent"] == 7
+
+
+async def test_duration_also_bounds_requests_held_back_by_the_concurrency_bound() -> None:
+    reqs = [TraceRequest(0.0, f"r{i}", 16, 2, 16, [i]) for i in range(5)]  # all due at once
+    async with run_sim_workers(1, profile="fast") as fleet:
+        late = ReplayOptions(url=fleet[0], max_concurrency=1, duration_s=1e-9)
+        held = await replay(Trace(reqs, "h", "k"), late)
+        free = await replay(Trace(reqs, "h", "k"), replace(late, duration_s=None))
+    assert all(r.sent_s is None and r.error == "not sent (past --duration)" for r in held)
+    assert all(r.ok for r in free)
 
 
 def test_body_and_goodput_flags() -> None:

@@ -307,6 +307,22 @@ def test_sampling_scaling_and_windows() -> None:
     assert cap_output(t, 3).requests[0].output_length == 3 and t.requests[0].output_length == 8
 
 
+def test_window_sampling_keeps_one_contiguous_slice_at_a_seeded_offset() -> None:
+    reqs = [req(f"r{i}", [i], 4, t=float(i), session_id=f"s{i % 4}") for i in range(20)]
+    t = Trace(reqs, "h", "k")
+    w = sample(t, 0.25, seed=3, by="window")
+    ids = [int(r.request_id[1:]) for r in w.requests]
+    assert len(ids) == 5 and ids == list(range(ids[0], ids[0] + 5))  # contiguous, in order
+    assert sample(t, 0.25, seed=3, by="window").requests == w.requests  # seeded
+    offsets = {sample(t, 5, seed=k, by="window").requests[0].request_id for k in range(20)}
+    assert len(offsets) > 1  # the offset varies with the seed
+    assert w.notes[-1].startswith(f"sample: requests {ids[0]}-{ids[-1]} of 20, contiguous")
+    whole = sample(t, 1.0, seed=9, by="window", keep_times=False)
+    assert whole.requests[0].arrival_s == 0.0 and len(whole.requests) == 20
+    with pytest.raises(ValueError, match="window"):
+        sample(t, 0.5, by="nonsense")
+
+
 def test_session_sampling_keeps_whole_sessions() -> None:
     reqs = [req(f"r{i}", [i], 4, t=float(i), session_id=f"s{i % 4}") for i in range(20)]
     s = sample(Trace(reqs, "h", "k"), 2, seed=5)
