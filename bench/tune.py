@@ -3,10 +3,10 @@ TOML to paste.
 
 Why: the defaults were tuned on the Mooncake sample; a fleet whose traffic is agentic, or
 conversational, or far more loaded, wants other trade-offs between cache affinity and queueing
-(`affinity_slack`, the queue and KV weights, the saturation thresholds). Measuring each candidate
-over HTTP would take hours; the offline simulator (`bench.simulate`: the gateway's own policy
-code on a virtual clock) replays a trace in seconds, so a search of a few dozen candidates takes
-minutes on a laptop.
+(`affinity_slack`, `commitment_slack`, the queue and KV weights, the saturation thresholds).
+Measuring each candidate over HTTP would take hours; the offline simulator (`bench.simulate`: the
+gateway's own policy code on a virtual clock) replays a trace in seconds, so a search of a few
+dozen candidates takes minutes on a laptop.
 
     .venv/bin/kvgate bench tune --trace "conversation:sessions=120" --workers 4 --rate-scale 4
     .venv/bin/kvgate bench tune --sample 0.25 --rate-scale 5 --trials 24 \\
@@ -65,6 +65,7 @@ WEIGHT_SPACE: dict[str, tuple[float, float, bool]] = {
 }
 OPTION_SPACE: dict[str, tuple[float, float, bool]] = {
     "affinity_slack": (1.0, 40.0, True),
+    "commitment_slack": (0.5, 16.0, True),
     "queue_horizon_s": (0.1, 3.0, True),
     "saturation_kv": (0.75, 0.99, False),
     "saturation_waiting": (2.0, 48.0, True),
