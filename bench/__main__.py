@@ -28,6 +28,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "quota_speed": ("bench.quota_speed", "cost of a quota check (memory and Redis stores)"),
     "sim_speed": ("bench.sim_speed", "how fast the virtual clock replays a whole trace"),
     "sim_capacity": ("bench.sim_capacity", "how many simulated workers one CPU core sustains"),
+    "redis_server": ("bench.redis_server", "a throwaway redis-server on 127.0.0.1 (local runs)"),
 }
 
 EXAMPLES = """\

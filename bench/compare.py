@@ -79,6 +79,7 @@ from bench.peers import (  # noqa: F401 - PEERS_DIR and Peer: part of this modul
     wait_for,
     warm,
 )
+from bench.redis_server import RedisServer, RedisServerError
 from bench.replay import ReplayOptions, parse_goodput, run_replay
 from bench.replicas import DEFAULT_DELAY_S, ShareModel
 from bench.simulate import (
@@ -102,7 +103,6 @@ from bench.traces import (
     sample,
     scale_time,
 )
-from gateway.redis_server import RedisServer, RedisServerError
 
 DEFAULT_TRACE = MOONCAKE_TRACE
 

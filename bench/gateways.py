@@ -3,7 +3,7 @@
 Why a module of its own: a routing claim about several gateway replicas has to be
 measured on real replicas: N separate `kvgate serve` processes in front of one fleet, with their
 quotas (`[quota] backend = "redis"`) and their learned state and per-worker load (`[cluster]
-enabled = true`) shared through one real `redis-server` (`gateway.redis_server.RedisServer`),
+enabled = true`) shared through one real `redis-server` (`bench.redis_server.RedisServer`),
 and clients spread over them by an L4 balancer (`bench.replay` with several URLs). Every tool that
 starts kvgate for a measurement builds its config here, so one target means the same gateway in
 every report.

@@ -240,7 +240,7 @@ BENCH_KEY = "kvg-bench"
 
 def _quota_run(mode: str, worker: str, core: int, n: int, prog: Progress) -> dict[str, object]:
     """Same load with no tenants, a tenant on the memory store, and on a real Redis."""
-    from gateway.redis_server import RedisServer
+    from bench.redis_server import RedisServer
 
     extra = ""
     redis: RedisServer | None = None
@@ -1202,7 +1202,7 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
     redis: Any = None
     try:
         if max(procs) > 1:  # several processes share quotas and worker load through Redis
-            from gateway.redis_server import RedisServer
+            from bench.redis_server import RedisServer
 
             redis = RedisServer().start()
         fleet, urls = start_sim_fleet(layout, logs)

@@ -29,10 +29,10 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.metrics import nearest_rank
+from bench.redis_server import RedisServer
 from gateway.quota import ModelLimits, QuotaStore, Reservation, TenantLimits
 from gateway.quota_memory import MemoryQuotaStore
 from gateway.quota_redis import RedisQuotaStore
-from gateway.redis_server import RedisServer
 
 MODEL = "sim-llama"
 LIMITS = TenantLimits(

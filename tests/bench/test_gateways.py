@@ -15,11 +15,11 @@ import pytest
 from bench.compare import SimFleet, gateways_describe, main, markdown, start_fleet
 from bench.gateways import Shared, kv_event_endpoints, kvgate_config, start_kvgates
 from bench.metrics import SLO
+from bench.redis_server import RedisServer
 from bench.replay import ReplayOptions, run_replay
 from bench.simulate import PolicySpec
 from bench.traces import SyntheticSpec, Trace, synthetic
 from gateway.config import Settings
-from gateway.redis_server import RedisServer
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.redis_server import RedisServer
+from bench.redis_server import RedisServer
 from tests.faults.conftest import (
     HEAP_LIMIT,
     KEY_CAPPED,

@@ -21,10 +21,10 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peers import free_ports
+from bench.redis_server import RedisServer, free_port
 from gateway.app import Gateway
 from gateway.asgi import create_app
 from gateway.config import Settings
-from gateway.redis_server import RedisServer, free_port
 from gateway.server import build_server
 
 MODEL = "sim-llama"

@@ -9,9 +9,9 @@ import logging
 import pytest
 from pydantic import ValidationError
 
+from bench.redis_server import RedisServer, free_port
 from gateway.cluster import ClusterSync, redact_url
 from gateway.config import ClusterSettings
-from gateway.redis_server import RedisServer, free_port
 from workers.registry import Registry
 from workers.worker import WorkerSpec
 

@@ -25,8 +25,8 @@ import httpx
 from redis.asyncio import Redis
 
 from bench.metrics import nearest_rank
+from bench.redis_server import RedisServer
 from gateway.app import Gateway
-from gateway.redis_server import RedisServer
 from tests.gateway.conftest import (
     MODEL,
     RunningGateway,

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.metrics import nearest_rank
-from gateway.redis_server import RedisServer
+from bench.redis_server import RedisServer
 from tests.gateway.conftest import MODEL, RunningGateway, run_gateway, until
 from tests.gateway.test_cluster_e2e import cluster_settings, prefix, two_replicas
 

@@ -35,9 +35,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.redis_server import RedisServer, free_port
 from gateway.config import load_settings
 from gateway.metrics import merge_expositions
-from gateway.redis_server import RedisServer, free_port
 from gateway.supervisor import Supervisor, process_count
 from tests.gateway.conftest import MODEL, flat_metrics, settings_for
 

@@ -15,8 +15,8 @@ import httpx
 import orjson
 import pytest
 
+from bench.redis_server import RedisServer, free_port
 from gateway.config import Settings
-from gateway.redis_server import RedisServer, free_port
 from tests.gateway.conftest import MODEL, run_gateway, settings_for
 
 KEY_A, KEY_B = "kvg-test-a", "kvg-test-b"

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.redis_server import RedisServer
 from gateway.quota import QuotaStore
 from gateway.quota_memory import MemoryQuotaStore
 from gateway.quota_redis import RedisQuotaStore
-from gateway.redis_server import RedisServer
 
 EPOCH = 1_750_000_000.0  # a realistic wall-clock magnitude, so float precision is as in prod
 

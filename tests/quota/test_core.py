@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway import redis_server as rs
+from bench import redis_server as rs
 from gateway.circuit_breaker import BreakerState, CircuitBreaker
 from gateway.quota import (
     PERIOD_US,

@@ -15,10 +15,10 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
+from bench.redis_server import RedisServer
 from gateway.config import QuotaSettings, TenantSettings
 from gateway.metrics import GatewayMetrics
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.redis_server import RedisServer
 from gateway.tenancy import Tenant, _limits
 from tests.gateway.conftest import flat_metrics
 

@@ -12,10 +12,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
+from bench.redis_server import RedisServer, ping
 from gateway.quota import ModelLimits, QuotaStoreUnavailable, Reservation, TenantLimits
 from gateway.quota_memory import MemoryQuotaStore
 from gateway.quota_redis import _ADMIT, RedisQuotaStore
-from gateway.redis_server import RedisServer, ping
 
 from .conftest import FakeClock
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.redis_server import RedisServer
+from bench.redis_server import RedisServer
 from gateway.usage import RedisStreamSink
 
 

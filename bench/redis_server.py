@@ -9,7 +9,7 @@ The server binds 127.0.0.1 on a free port with no persistence, and can be stoppe
 and started again on the SAME port, which is how tests simulate "Redis died mid-run" against a
 store that keeps its URL.
 
-    python -m gateway.redis_server [--port 6379]     # run one in the foreground for local dev
+    kvgate bench redis_server [--port 6379]     # run one in the foreground for local dev
 """
 
 from __future__ import annotations
