@@ -106,18 +106,27 @@ class SessionTable:
         committed = self._committed
         old = self._active.get(session_id)
         if old is not None:
-            committed[old[0]] -= old[2]
+            self._uncommit(old[0], old[2])
         self._active[session_id] = (worker, now, tokens)
         committed[worker] = committed.get(worker, 0) + tokens
         self._noted.append((now, session_id))
         self._expire(now)
 
     def _expire(self, now: float) -> None:
-        noted, active, committed = self._noted, self._active, self._committed
+        noted, active = self._noted, self._active
         horizon = now - self.active_s
         while noted and noted[0][0] < horizon:
             at, sid = noted.popleft()
             e = active.get(sid)
             if e is not None and e[1] == at:  # else a later turn replaced it
                 del active[sid]
-                committed[e[0]] -= e[2]
+                self._uncommit(e[0], e[2])
+
+    def _uncommit(self, worker: str, tokens: int) -> None:
+        """Take a turn's tokens off; a worker left with none is dropped, so a fleet whose
+        sessions all went idle costs the scorer nothing (it skips an empty commitment)."""
+        left = self._committed.get(worker, 0) - tokens
+        if left > 0:
+            self._committed[worker] = left
+        else:
+            self._committed.pop(worker, None)
