@@ -19,8 +19,9 @@ from prometheus_client.registry import Collector
 from gateway.logs import log_handler
 from workers.worker import Health
 
-# Observations a BatchedHistogram holds before it hands them to prometheus_client, so a scrape
-# during a long stream sees its gaps too (64 gaps of a 50 ms ITL: ~3 s late at most).
+# Observations a BatchedHistogram holds before it hands them to prometheus_client. A scrape
+# flushes them all first (GatewayMetrics registers a collector for it), so this only keeps the
+# prometheus_client values current for readers that bypass the registry.
 _BATCH = 64
 
 
