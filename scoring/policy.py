@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from scoring.kv_aware import KVAware
-from scoring.signals import is_saturated, load_estimate, prefix_signal
+from scoring.signals import commitment_yield, is_saturated, load_estimate, prefix_signal
 from scoring.state import RoutingState, _Learning
 from scoring.views import Decision, RouteRequest, RoutingOptions, Weights, WorkerView
 
@@ -135,7 +135,11 @@ class PrefixAffinity(_Learning):
     of simulated time; online p99 23.6 s). So, as the cache-aware Rust routers' balance thresholds
     do, a worker whose outstanding requests exceed the least loaded candidate's by more than
     ``affinity_max_excess`` and ``affinity_max_ratio`` times is left out; what it held spreads to
-    the others, which then hold it too.
+    the others, which then hold it too. A holder is also left out for a request whose session
+    does not live there when the long sessions already pinned to it outweigh the least committed
+    worker's past ``commitment_slack`` (``signals.commitment_yield`` at 0): request counts miss
+    that agents' contexts grow where their preamble was (p99 TTFT 28.8 s on the agentic trace of
+    bench/README).
     """
 
     name = "prefix"
@@ -148,13 +152,26 @@ class PrefixAffinity(_Learning):
         matches = self.state.index.match(request.chain) if request.chain else {}
         floor = min(load_of(w) for w in candidates)
         limit = max(floor + o.affinity_max_excess, floor * o.affinity_max_ratio)
+        committed, home, floor_c = self._commitment(candidates, request)
         best = 0
         ties: list[WorkerView] = []
         open_: list[WorkerView] = []
         yielded = False
         for w in candidates:
             m = matches.get(w.name, 0)
-            if load_of(w) > limit:
+            if load_of(w) > limit or (
+                m
+                and committed
+                and w.name != home
+                and commitment_yield(
+                    committed.get(w.name, 0),
+                    floor_c,
+                    request.matched_tokens(m),
+                    o.commitment_slack,
+                    o.affinity_max_ratio,
+                )
+                <= 0.0
+            ):
                 yielded |= m > 0
                 continue
             open_.append(w)
@@ -172,6 +189,22 @@ class PrefixAffinity(_Learning):
             matched_blocks=best,
             prefill_tokens=_uncached(request, best),
         )
+
+    def _commitment(
+        self, candidates: Sequence[WorkerView], request: RouteRequest
+    ) -> tuple[dict[str, int], str | None, float]:
+        """(session commitment per worker, this session's worker, the least committed
+        candidate's commitment, this session's own turn not counted)."""
+        if not self.options.commitment_slack:
+            return {}, None, 0.0
+        now = self._clock()
+        committed = self.state.sessions.committed(now)
+        if not committed:
+            return committed, None, 0.0
+        entry = self.state.sessions.lookup(request.session_id, now) if request.session_id else None
+        home, own = entry if entry else (None, 0)
+        floor = min(committed.get(w.name, 0) - (own if w.name == home else 0) for w in candidates)
+        return committed, home, floor
 
 
 class SessionAffinity(_Learning):

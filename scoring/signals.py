@@ -140,6 +140,20 @@ def affinity_yield(extra_wait_s: float, saved_s: float, slack: float) -> float:
     return y if y > 0 else 0.0
 
 
+def commitment_yield(
+    committed: float, floor: float, matched_tokens: float, slack: float, ratio: float
+) -> float:
+    """What is left of a hit's credit on a worker carrying ``committed`` tokens of active
+    sessions (other than the request's own) when the least committed candidate carries
+    ``floor``: full until the excess is both positive and more than ``ratio`` times the floor,
+    then fading to 0 at ``slack`` x the tokens the hit saves (kv_aware inlines it)."""
+    excess = committed - floor
+    if excess <= 0 or committed <= ratio * floor or slack <= 0:
+        return 1.0
+    y = 1.0 - excess / (slack * matched_tokens) if matched_tokens > 0 else 0.0
+    return y if y > 0 else 0.0
+
+
 def session_signal(extra_wait_s: float, horizon_s: float) -> float:
     if extra_wait_s <= 0:
         return 1.0

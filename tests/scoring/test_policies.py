@@ -19,6 +19,7 @@ from scoring.policy import (
 )
 from scoring.prefix import render_chat, text_key
 from scoring.route_key import route_request, session_id_from
+from scoring.signals import commitment_yield
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 
 SYSTEM = "You are the support assistant of ACME. Follow the policy below exactly. " * 60  # ~4.3k
@@ -308,6 +309,34 @@ def test_new_sessions_spread_off_a_preamble_holder_that_carries_many_contexts() 
         assert cont.worker.name == "a"
     now[0] = 61.0  # past session_active_s: nothing is committed any more, the hit counts again
     assert p.choose(views, key(p, chat("late"), session_id="late")).worker.name == "a"
+
+
+def test_prefix_policy_also_spreads_new_sessions_off_a_committed_holder() -> None:
+    now = [0.0]
+    views = idle("a", "b", "c")
+    for slack, spread in ((4.0, True), (0.0, False)):
+        p = PrefixAffinity(rng=random.Random(0), clock=lambda: now[0])
+        p.set_options(RoutingOptions(commitment_slack=slack))
+        for i in range(6):
+            r = key(p, chat(f"task {i}"), session_id=f"old{i}")
+            p.on_dispatch("a", dataclasses.replace(r, prompt_tokens=60_000))
+        new = [
+            p.choose(views, key(p, chat(f"new task {i}"), session_id=f"new{i}")) for i in range(8)
+        ]
+        if spread:
+            assert {d.worker.name for d in new} <= {"b", "c"}
+            assert {d.reason for d in new} == {"balance"}
+        else:
+            assert {(d.worker.name, d.reason) for d in new} == {("a", "affinity")}
+        assert p.choose(views, key(p, chat("task 0, next"), session_id="old0")).worker.name == "a"
+
+
+def test_commitment_yield_fades_past_the_ratio_and_the_slack() -> None:
+    assert commitment_yield(0, 0, 1_000, 4.0, 2.0) == 1.0
+    assert commitment_yield(3_000, 2_000, 1_000, 4.0, 2.0) == 1.0  # within 2x the floor
+    assert commitment_yield(2_000, 0, 1_000, 4.0, 2.0) == pytest.approx(0.5)
+    assert commitment_yield(9_000, 0, 1_000, 4.0, 2.0) == 0.0
+    assert commitment_yield(9_000, 0, 1_000, 0.0, 2.0) == 1.0  # off
 
 
 def test_set_weights_applies_to_the_next_decision_and_keeps_the_learned_index() -> None:
