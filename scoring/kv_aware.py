@@ -59,17 +59,16 @@ class KVAware(_Learning):
         chain = request.chain
         matches = state.index.match(chain) if chain else {}
         precise = state.precise
+        now = self._clock()
         trusted = _NOBODY
         if precise is not None and request.block_chain:
-            trusted = precise.trusted(self._clock())
+            trusted = precise.trusted(now)
             if trusted:
-                matches = _merge_precise(matches, trusted, precise, request, self._clock())
-        entry = (
-            state.sessions.lookup(request.session_id, self._clock()) if request.session_id else None
-        )
+                matches = _merge_precise(matches, trusted, precise, request, now)
+        entry = state.sessions.lookup(request.session_id, now) if request.session_id else None
         last, last_tokens = entry if entry else (None, 0)
         own_committed = last_tokens  # this session's last turn, counted in its worker's commitment
-        committed = state.sessions.committed(self._clock()) if self.options.commitment_slack else {}
+        committed = state.sessions.committed(now) if self.options.commitment_slack else {}
         if last in trusted:
             # The session's worker publishes events: what it holds of this prompt is known, so
             # its last turn is not assumed to be cached there (it may have been evicted).

@@ -283,15 +283,21 @@ def test_a_long_agent_session_stays_put_through_a_queue_a_short_chat_would_avoid
             assert d.scores["prefix"] == pytest.approx((tokens - 200) / tokens)
 
 
-def test_new_sessions_spread_off_a_preamble_holder_that_carries_many_contexts() -> None:
+@pytest.mark.parametrize(
+    ("policy", "moved"), [(KVAware, "load_fallback"), (PrefixAffinity, "balance")]
+)
+def test_new_sessions_spread_off_a_preamble_holder_that_carries_many_contexts(
+    policy: type[KVAware | PrefixAffinity], moved: str
+) -> None:
     """The agentic pile-up: every new session matches the shared system prompt on ``a`` only;
     counted as a plain cache hit, all of them would go there and grow there. With the sessions
-    already pinned to ``a`` weighed, new ones go to the other workers, while a session already
-    living on ``a`` stays (its session credit)."""
+    already pinned to ``a`` weighed, new ones go to the other workers (``moved``: a hit was
+    there, and was not taken), while a session already living on ``a`` stays. kv_aware weighs the
+    commitment in its score, prefix leaves such a holder out of its guard."""
     now = [0.0]
     views = [WorkerView("a", running=2, in_flight=2, in_flight_at_scrape=2), *idle("b", "c")]
     for slack, spread in ((4.0, True), (0.0, False)):
-        p = KVAware(rng=random.Random(0), clock=lambda: now[0])
+        p = policy(rng=random.Random(0), clock=lambda: now[0])
         p.set_options(RoutingOptions(commitment_slack=slack))
         for i in range(6):  # six long sessions live on a, each 60k tokens so far
             r = key(p, chat(f"task {i}"), session_id=f"old{i}")
@@ -299,36 +305,15 @@ def test_new_sessions_spread_off_a_preamble_holder_that_carries_many_contexts() 
         new = [
             p.choose(views, key(p, chat(f"new task {i}"), session_id=f"new{i}")) for i in range(8)
         ]
-        # a holds their preamble ("load_fallback": a hit was there, and was not taken)
         if spread:
             assert {d.worker.name for d in new} <= {"b", "c"}
-            assert {d.reason for d in new} == {"load_fallback"}
+            assert {d.reason for d in new} == {moved}
         else:
             assert {(d.worker.name, d.reason) for d in new} == {("a", "affinity")}
         cont = p.choose(views, key(p, chat("task 0 continued"), session_id="old0"))
         assert cont.worker.name == "a"
     now[0] = 61.0  # past session_active_s: nothing is committed any more, the hit counts again
     assert p.choose(views, key(p, chat("late"), session_id="late")).worker.name == "a"
-
-
-def test_prefix_policy_also_spreads_new_sessions_off_a_committed_holder() -> None:
-    now = [0.0]
-    views = idle("a", "b", "c")
-    for slack, spread in ((4.0, True), (0.0, False)):
-        p = PrefixAffinity(rng=random.Random(0), clock=lambda: now[0])
-        p.set_options(RoutingOptions(commitment_slack=slack))
-        for i in range(6):
-            r = key(p, chat(f"task {i}"), session_id=f"old{i}")
-            p.on_dispatch("a", dataclasses.replace(r, prompt_tokens=60_000))
-        new = [
-            p.choose(views, key(p, chat(f"new task {i}"), session_id=f"new{i}")) for i in range(8)
-        ]
-        if spread:
-            assert {d.worker.name for d in new} <= {"b", "c"}
-            assert {d.reason for d in new} == {"balance"}
-        else:
-            assert {(d.worker.name, d.reason) for d in new} == {("a", "affinity")}
-        assert p.choose(views, key(p, chat("task 0, next"), session_id="old0")).worker.name == "a"
 
 
 def test_commitment_yield_fades_past_the_ratio_and_the_slack() -> None:
