@@ -27,8 +27,8 @@ Wiring (for gateway/app.py)
     * ``has_room`` returns the number of free slots in the request's pool (a bool works: ``True``
       counts as one). The controller subtracts grants whose waiters have not resumed yet, because
       ``in_flight`` only grows when the proxy picks a worker: await ``admit()`` as the last await
-      before ``proxy.forward()`` (which is synchronous up to ``_acquire``), or a slot can be given
-      twice. With a bool predicate, waiters are released one per event-loop turn, which is safe.
+      before ``proxy.forward()`` (synchronous up to ``Lifecycle.dispatched``), or a slot can be
+      given twice. With a bool predicate, waiters are released one per event-loop turn (safe).
     * Call ``kick(model)`` (or ``kick()``) when a request releases its worker and after each
       metrics scrape; it is cheap when nothing is queued.
     * Deadline: ``settings.deadline_s(request.headers.get(settings.deadline_header))``.

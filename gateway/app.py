@@ -6,8 +6,9 @@ apply the tenant's output caps -> find healthy workers for the model (404 unknow
 healthy) -> the route key (gateway/keying.py) -> reserve quota (gateway/quota_gate.py) -> wait
 for room (gateway/admission.py) -> the proxy picks a worker through the routing policy and
 retries before the first byte (gateway/proxy.py) -> the relay streams SSE untouched
-(gateway/relay.py) -> settlement charges what was used and writes the usage record
-(gateway/settlement.py), then metrics and one log line.
+(gateway/relay.py) -> both report to the lifecycle (gateway/lifecycle.py), whose finish has
+settlement charge what was used and write the usage record (gateway/settlement.py), then
+records metrics and one log line. Nothing calls back into the walk.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_t
 from gateway.errors import APIError, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
+from gateway.lifecycle import Lifecycle
 from gateway.logs import setup_logging
 from gateway.metrics import (
     AdmissionCollector,
@@ -112,8 +114,6 @@ class Gateway:
         self.slots = Slots(
             self.registry, settings.admission, self.routing_options, self.tenants.top_priority
         )
-        # The proxy's host hook (ProxyHost.worker_room), bound once: it runs per candidate.
-        self.worker_room = self.slots.worker_room
         self.quota = QuotaGate(settings.quota, self.metrics)
         self.admission = AdmissionController(
             admission_settings(settings.admission), observer=AdmissionMetrics(self.metrics)
@@ -139,10 +139,14 @@ class Gateway:
         )
         self.usage: UsageSink = NullSink()
         self.settlement = Settlement(self.quota, self.usage)
-        # The proxy's host hooks (gateway.proxy.ProxyHost) the walk has no step of its own for:
-        # bound once, no wrapper frame per request.
-        self.settle = self.settlement.settle
-        self.on_slot_freed = self.admission.kick
+        # What a dispatch changes, reported by the proxy and the relay (the prober joins at start).
+        self.life = Lifecycle(
+            self.registry,
+            self.metrics,
+            self.admission,
+            self.settlement,
+            log_requests=settings.logging.requests,
+        )
         self._rng = random.Random()
         self.upstream: UpstreamClient | None = None
         self.probe_client: httpx.AsyncClient | None = None
@@ -199,7 +203,8 @@ class Gateway:
             deep_timeout_s=s.probes.deep_timeout_s,
             deep_model=s.probes.deep_model,
         )
-        self.proxy = Proxy(self.registry, self.upstream, self.metrics, self)
+        self.life.prober = self.prober
+        self.proxy = Proxy(self.registry, self.upstream, self.metrics, self.slots, self.life)
         self.prober.sync()
         if self.cluster is not None:
             await self.cluster.start()
@@ -239,8 +244,8 @@ class Gateway:
             "This gateway replica is shutting down; retry (another replica will answer).", 1.0
         )
         log.warning("draining: %d requests in flight, %.1f s grace", self._in_flight(), grace_s)
-        if not await self._wait_idle(grace_s) and self.proxy is not None:
-            cut = self.proxy.cut_streams("the gateway is shutting down; stream ended")
+        if not await self._wait_idle(grace_s):
+            cut = self.life.cut_streams("the gateway is shutting down; stream ended")
             log.warning("draining: grace over, ending %d streams", cut)
             await self._wait_idle(5.0)
 
@@ -310,6 +315,7 @@ class Gateway:
             except Exception:
                 log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
         self.tenants = Tenants(new)
+        self.life.log_requests = new.logging.requests
         self.slots.configure(new.admission, self.routing_options, self.tenants.top_priority)
         if new.admission != old.admission:
             self.admission.configure(admission_settings(new.admission))
@@ -387,14 +393,6 @@ class Gateway:
         self.metrics.export_health(w.name, w.health)
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
-
-    def on_passive_failure(self, name: str) -> None:
-        w = self.registry.workers.get(name)
-        if w is None:
-            return
-        self.metrics.export_health(w.name, w.health)
-        if self.prober and w.health is not Health.HEALTHY:
-            self.prober.poke(name)
 
     # -- the walk ----------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -490,7 +488,7 @@ class Gateway:
                 # client gone): the compute was spent, so it is settled, not refunded.
                 call.status = e.status
                 call.outcome = "upstream_timeout" if e.status == 504 else "client_disconnect"
-                await self.proxy.finish(call)  # type: ignore[union-attr]
+                await self.life.finish(call)
             else:
                 # No worker produced anything: not the tenant's doing, refund it all.
                 await self.settlement.refund(call, ticket)
@@ -562,7 +560,7 @@ class Gateway:
             assert account is not None
             lease = account.in_flight = self.autoscale.begin(call.model, account.tokens)
             try:
-                resp = await self.proxy.forward(call)
+                resp = await self.proxy.forward(call, self.settings, self.policy)
             except BaseException:
                 lease.end()  # nothing was handed to the client
                 raise

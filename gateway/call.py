@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from gateway.desired_workers import InFlight
     from gateway.quota_gate import Ticket
     from gateway.tenancy import Tenant
+    from scoring.policy import Policy
 
 # The substring that marks the usage chunk among SSE events (and in a whole response): found with
 # a byte search, parsed only then.
@@ -54,6 +55,7 @@ class Call:
     client_wants_usage: bool
     route: RouteRequest
     route_debug: Decision | None = None
+    policy: Policy | None = None  # the policy that placed it (told when its prefill is done)
     t_start: float = field(default_factory=time.perf_counter)
     worker: str = ""
     attempts: int = 0

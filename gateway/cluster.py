@@ -17,7 +17,7 @@ queued-prefill tokens) and reads everyone else's, in ONE pipelined round trip:
 
 and sets ``Worker.remote_in_flight`` / ``remote_prefill_tokens`` from the sums
 (`workers.load_view`). The request path never waits on Redis: it reads two ints per worker that
-this task refreshed. Routing signals (`Worker.view`), `Gateway.worker_room` (fleet-wide
+this task refreshed. Routing signals (`Worker.view`), `Slots.worker_room` (fleet-wide
 `max_concurrency`) and admission room all count them; ``Worker.in_flight`` stays this replica's
 own (what it must release, and what drain waits for).
 

@@ -30,7 +30,7 @@ from gateway.upstream import UpstreamResponse, UpstreamStreamError
 from workers.worker import Worker
 
 if TYPE_CHECKING:
-    from gateway.proxy import Proxy
+    from gateway.lifecycle import Lifecycle
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -52,7 +52,7 @@ class RelayResponse(Response):
 
     def __init__(
         self,
-        proxy: Proxy,
+        life: Lifecycle,
         call: Call,
         worker: Worker,
         resp: UpstreamResponse,
@@ -64,7 +64,7 @@ class RelayResponse(Response):
         self.status_code = 200
         self.background = None
         self.init_headers(headers)  # before any `body` attribute exists: no content-length
-        self._proxy = proxy
+        self._life = life
         self._call = call
         self._worker = worker
         self._resp = resp
@@ -114,7 +114,7 @@ class RelayResponse(Response):
         # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
         # the watcher cancels it the moment the client leaves.
         watcher = self._watcher = asyncio.get_running_loop().create_task(watch())
-        streams = self._proxy.streams
+        streams = self._life.streams
         streams[me] = self
         try:
             # Inside the try: whatever happens from here, the cleanup below settles the call.
@@ -132,7 +132,7 @@ class RelayResponse(Response):
                 me.uncancel()
                 if not self._ended:  # else [DONE] is out: only the upstream's tail was left
                     call.outcome = "gateway_shutdown"
-                    self._proxy.metrics.stream_errors.labels("gateway_shutdown").inc()
+                    self._life.metrics.stream_errors.labels("gateway_shutdown").inc()
                     with contextlib.suppress(OSError):
                         await self._send(send, sse_error_event(self.cut, "server_error", 503))
                         await self._end(send)
@@ -149,7 +149,7 @@ class RelayResponse(Response):
             watcher.cancel()
             if gone:
                 call.outcome = "client_disconnect"
-                self._proxy.metrics.client_disconnects.inc()
+                self._life.metrics.client_disconnects.inc()
             if self._done:
                 await self._resp.release()
             else:
@@ -180,12 +180,13 @@ class RelayResponse(Response):
             return
         self._finished = True
         call = self._call
-        self._proxy.release(self._worker, call)
+        life = self._life
+        life.released(self._worker, call)
         if self._done and not call.outcome:
             call.outcome = "ok"
         if call.outcome == "ok":
-            self._proxy.registry.passive_success(self._worker.name)
-        await self._proxy.finish(call)
+            life.succeeded(self._worker)
+        await life.finish(call)
 
     async def _pump(self, send: Send) -> None:
         """Relay until [DONE]: settle, then end the response with it and read the worker's
@@ -200,7 +201,7 @@ class RelayResponse(Response):
         """
         call = self._call
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        m = self._proxy.metrics
+        m = self._life.metrics
         self._inter = m.batched(m.inter_event, call.model)
         self._last_chunk = time.perf_counter()
         splice = getattr(self._resp, "splice", None)
@@ -237,7 +238,7 @@ class RelayResponse(Response):
             # (aiohttp internals, addresses) belong in the log, not in a tenant's stream.
             msg = _STREAM_ERRORS[reason]
             call.outcome = reason
-            self._proxy.metrics.stream_errors.labels(reason).inc()
+            self._life.metrics.stream_errors.labels(reason).inc()
             log.warning(
                 "request %s on %s: %s (%s)", call.request_id, call.worker, reason, e or type(e)
             )
@@ -347,7 +348,7 @@ class RelayResponse(Response):
     def _client_stalled(self, call: Call) -> None:
         # Cut off: the response stays unfinished, so the server closes the connection.
         call.outcome = "client_stalled"
-        self._proxy.metrics.stream_errors.labels("client_stalled").inc()
+        self._life.metrics.stream_errors.labels("client_stalled").inc()
         log.warning("request %s: client stopped reading; stream cut off", call.request_id)
 
     def _check_stall(self, task: asyncio.Task[Any]) -> None:

@@ -129,7 +129,7 @@ async def test_replicas_count_each_others_load_and_share_the_concurrency_cap(
                 # The routing view and the cap both see the whole gateway's load.
                 assert w.view().in_flight == local(a.gw)[w.name]
                 assert w.remote_prefill_tokens >= 0
-                assert b.gw.worker_room(w) == 3 - local(a.gw)[w.name]
+                assert b.gw.slots.worker_room(w) == 3 - local(a.gw)[w.name]
             # Two more through B fill the fleet (3 per worker, 6 in all, across two replicas).
             streams += [asyncio.create_task(hold(c, b.url)) for _ in range(2)]
             await until(lambda: sum(local(b.gw).values()) == 2, 10, "B dispatched 2 streams")

@@ -1,0 +1,181 @@
+"""A dispatched request's life on its worker: dispatched, first byte, released, finished.
+
+The proxy (gateway/proxy.py) picks a worker and the relay (gateway/relay.py) streams its answer;
+both report what happened here, and nothing here calls back into either or into the walk
+(gateway/app.py). One object owns what a dispatch changes: the worker's in-flight count and
+queued-prefill estimate (what routing reads), the policy's own learning (`on_dispatch`,
+`on_prefill_done`), the worker's passive health, the slot admission waits for, the settlement,
+and the request's metrics and log line. `Gateway.start` builds it with those parts;
+`Gateway.apply` reconfigures it on a reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from gateway.call import Call
+from gateway.metrics import GatewayMetrics
+from gateway.settlement import Settlement
+from scoring.policy import Policy
+from scoring.views import Decision
+from workers.probe import Prober
+from workers.registry import Registry
+from workers.worker import Health, Worker
+
+if TYPE_CHECKING:
+    from gateway.admission import AdmissionController
+    from gateway.relay import RelayResponse
+
+log = logging.getLogger("kvgate.proxy")
+reqlog = logging.getLogger("kvgate.request")
+
+
+class Lifecycle:
+    """What every dispatch changes, from the worker's pick to the request's log line."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: GatewayMetrics,
+        admission: AdmissionController,
+        settlement: Settlement,
+        prober: Prober | None = None,
+        log_requests: bool = True,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.admission = admission
+        self.settlement = settlement
+        self.prober = prober
+        self.log_requests = log_requests
+        self.streams: dict[asyncio.Task[Any], RelayResponse] = {}  # live relays (drain cuts them)
+
+    # -- on the worker ---------------------------------------------------------------------------
+    def dispatched(self, policy: Policy, call: Call, d: Decision, worker: Worker) -> None:
+        """``policy`` sent ``call`` to ``worker``: it counts there (in flight, queued prefill, KV
+        it will fill) until released, and the policy learns where its prefix now lives."""
+        m = self.metrics
+        if call.attempts == 1:
+            m.child(m.routing_decisions, policy.name, d.reason).inc()
+            if call.route.chain:
+                m.batched(m.prefix_match).observe(
+                    min(1.0, d.matched_blocks / len(call.route.chain))
+                )
+        q = d.scores.get("queue")
+        if q is not None:
+            m.child(m.queue_delay, worker.name).set(q)
+        policy.on_dispatch(worker.name, call.route)
+        call.route_debug = d
+        call.policy = policy
+        tokens = d.prefill_tokens
+        worker.in_flight += 1
+        call.prefill_reported = False
+        call.prefill_tokens = tokens
+        worker.prefill_tokens += tokens
+        worker.sent_tokens_since_scrape += tokens
+        call.pool = worker.spec.labels.get("pool", "default")
+        m.child(m.in_flight, worker.name).set(worker.in_flight)
+
+    def first_byte(self, worker: Worker, call: Call, seconds: float) -> None:
+        """The worker answered ``seconds`` after this attempt's dispatch: its own TTFT (outlier
+        ejection; admission waits and earlier attempts are not its doing), and its queued-prefill
+        estimate drops this call."""
+        self.registry.observe_ttft(worker.name, seconds)
+        self.prefill_done(worker, call)
+
+    def prefill_done(self, worker: Worker, call: Call) -> None:
+        worker.prefill_tokens = max(0, worker.prefill_tokens - call.prefill_tokens)
+        call.prefill_tokens = 0
+        if call.route.block_chain and not call.prefill_reported and call.policy is not None:
+            call.prefill_reported = True
+            call.policy.on_prefill_done(worker.name, call.route)
+
+    def released(self, worker: Worker, call: Call) -> None:
+        """The attempt on ``worker`` is over (ended, failed or handed back): its slot is free."""
+        self.prefill_done(worker, call)
+        worker.in_flight -= 1
+        self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
+        self.admission.kick(call.model)
+
+    def failed(self, worker: Worker, error: str) -> None:
+        """The worker failed a request before its first byte: passive health, and a probe now
+        when that left it less than healthy (it may have died)."""
+        log.warning("worker %s failed before first byte: %s", worker.name, error)
+        self.registry.passive_failure(worker.name, error)
+        if self.prober is not None and worker.health is not Health.HEALTHY:
+            self.prober.poke(worker.name)
+
+    def succeeded(self, worker: Worker) -> None:
+        """A whole answer or a stream that ended well (a half-open worker's trial passes)."""
+        self.registry.passive_success(worker.name)
+
+    # -- the request -----------------------------------------------------------------------------
+    async def finish(self, call: Call) -> None:
+        """Record one finished request: settlement, metrics, the log line."""
+        e2e = time.perf_counter() - call.t_start
+        await self.settlement.settle(call)
+        m = self.metrics
+        m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
+        m.batched(m.e2e, call.model).observe(e2e)
+        if call.status == 200:
+            u = call.usage
+            if call.ttft is not None:  # streams only: a whole response has no first token
+                m.batched(m.ttft, call.model, call.pool).observe(call.ttft)
+                if u is not None and u.completion_tokens > 1:
+                    tpot = (e2e - call.ttft) / (u.completion_tokens - 1)
+                    m.batched(m.tpot, call.model, call.pool).observe(tpot)
+            if u is not None and call.route_debug is not None and call.route.chain:
+                self._record_prediction(call, call.route_debug, u.cached_tokens)
+        if self.log_requests and reqlog.isEnabledFor(logging.INFO):
+            u = call.usage
+            reqlog.info(
+                "request",
+                extra={
+                    "fields": {
+                        "request_id": call.request_id,
+                        "client_request_id": call.client_request_id,
+                        "model": call.model,
+                        "path": call.path,
+                        "worker": call.worker,
+                        "status": call.status,
+                        "outcome": call.outcome,
+                        "attempts": call.attempts,
+                        "stream": call.stream,
+                        "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+                        "e2e_ms": round(e2e * 1000, 3),
+                        "prompt_tokens": u.prompt_tokens if u else None,
+                        "completion_tokens": u.completion_tokens if u else None,
+                        "cached_tokens": u.cached_tokens if u else None,
+                    }
+                },
+            )
+
+    def _record_prediction(self, call: Call, d: Decision, actual: int) -> None:
+        """How well routing knew the worker's cache: predicted vs reported cached tokens.
+
+        The worker never reuses the prompt's last token, so a full match predicts one token less
+        than the prompt; within one block of the report is agreement (vLLM caches whole blocks).
+        """
+        r = call.route
+        predicted = int(r.matched_tokens(d.matched_blocks))
+        if r.prompt_tokens:
+            predicted = min(predicted, r.prompt_tokens - 1)
+        diff = predicted - actual
+        outcome = "agree" if abs(diff) <= r.block_tokens else ("over" if diff > 0 else "under")
+        source = d.match_source or "none"
+        m = self.metrics
+        m.child(m.cached_prediction, source, outcome).inc()
+        m.batched(m.cached_prediction_error, source).observe(abs(diff))
+
+    def cut_streams(self, message: str) -> int:
+        """End every live stream with an SSE error event (graceful shutdown); returns how many."""
+        n = 0
+        for task, relay in list(self.streams.items()):
+            if not task.done():
+                relay.cut = message
+                task.cancel()
+                n += 1
+        return n
