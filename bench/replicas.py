@@ -49,6 +49,7 @@ from typing import Any
 from scoring.learned import Learned, apply_learned
 from scoring.state import RoutingState
 from scoring.views import RouteRequest, WorkerView
+from workers.dispatch_load import Load
 
 __all__ = [
     "CLUSTER_PARTS",
@@ -135,8 +136,8 @@ class ReplicaSync:
     a heap on (due time, sequence), since first tokens of different workers are observed out of
     time order by the virtual clock (each engine runs up to the next arrival in turn).
 
-    `in_flight[r][w]` and `prefill[r][w]` are what replica r counts on worker w (its own plus the
-    delivered remote share); `own_in_flight` / `own_prefill` are its own only.
+    `seen[r][w]` is what replica r counts on worker w (its own plus the delivered remote share),
+    `own[r][w]` its own only: `workers.dispatch_load.Load`s, counted by the gateway's own rules.
     """
 
     def __init__(
@@ -155,10 +156,8 @@ class ReplicaSync:
         self.names = list(workers)
         self.policies = list(policies)
         n = len(self.names)
-        self.own_in_flight = [[0] * n for _ in range(replicas)]
-        self.own_prefill = [[0] * n for _ in range(replicas)]
-        self.in_flight = [[0] * n for _ in range(replicas)]
-        self.prefill = [[0] * n for _ in range(replicas)]
+        self.own = [[Load() for _ in range(n)] for _ in range(replicas)]
+        self.seen = [[Load() for _ in range(n)] for _ in range(replicas)]
         self._share_load = replicas > 1 and "load" in model
         self._share_index = replicas > 1 and "index" in model
         self._share_sessions = replicas > 1 and "sessions" in model
@@ -170,6 +169,14 @@ class ReplicaSync:
         self._seq = 0
         self._known = frozenset(self.names)
         self.delivered = 0  # changes applied to other replicas (each counted once per receiver)
+
+    def in_flight(self, r: int) -> list[int]:
+        """Requests replica r counts in flight per worker."""
+        return [x.in_flight for x in self.seen[r]]
+
+    def prefill(self, r: int) -> list[int]:
+        """Queued-prefill tokens replica r counts per worker."""
+        return [x.prefill_tokens for x in self.seen[r]]
 
     @property
     def in_transit(self) -> int:
@@ -191,10 +198,8 @@ class ReplicaSync:
     ) -> None:
         """Replica r sent `route` to worker w at `at` with `tokens` queued-prefill tokens; its
         policy has already learned it (`on_dispatch`)."""
-        self.own_in_flight[r][w] += 1
-        self.own_prefill[r][w] += tokens
-        self.in_flight[r][w] += 1
-        self.prefill[r][w] += tokens
+        self.own[r][w].dispatched(tokens)
+        self.seen[r][w].dispatched(tokens)
         if self._share_any:
             self._push(at, r, _DISPATCH, (w, route, tokens, view))
 
@@ -203,16 +208,16 @@ class ReplicaSync:
     ) -> None:
         """The first token of a request replica r sent to worker w came back at `at` (`route`:
         its key, for the pending entries of the precise index)."""
-        self.own_prefill[r][w] -= tokens
-        self.prefill[r][w] -= tokens
+        self.own[r][w].prefill_done(tokens)
+        self.seen[r][w].prefill_done(tokens)
         pending = self._share_pending and route is not None and bool(route.block_chain)
         if (self._share_load and tokens) or pending:
             self._push(at, r, _FIRST, (w, tokens, route if pending else None))
 
     def finished(self, r: int, at: float, w: int) -> None:
         """A request replica r sent to worker w completed at `at`."""
-        self.own_in_flight[r][w] -= 1
-        self.in_flight[r][w] -= 1
+        self.own[r][w].released()
+        self.seen[r][w].released()
         if self._share_load:
             self._push(at, r, _DONE, (w,))
 
@@ -234,19 +239,18 @@ class ReplicaSync:
         if kind == _DISPATCH:
             w, route, tokens, view = payload
             if self._share_load:
-                self.in_flight[o][w] += 1
-                self.prefill[o][w] += tokens
+                self.seen[o][w].dispatched(tokens)
             self._learn(o, self.names[w], route, at, view)
         elif kind == _FIRST:
             w, tokens, route = payload
             if self._share_load:
-                self.prefill[o][w] -= tokens
+                self.seen[o][w].prefill_done(tokens)
             state = getattr(self.policies[o], "state", None)
             if route is not None and state is not None:
                 done = Learned(self.names[w], (), 0, (), None, 0, at, route.block_chain, True)
                 apply_learned(state, (done,), known=self._known)
         else:
-            self.in_flight[o][payload[0]] -= 1
+            self.seen[o][payload[0]].released()
 
     def _learn(
         self, o: int, worker: str, route: RouteRequest, at: float, view: WorkerView | None

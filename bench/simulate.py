@@ -295,7 +295,8 @@ class PolicyRouter:
     def prefill(self) -> list[int]:
         """Uncached prompt tokens dispatched per worker and not yet at a first token (all
         replicas)."""
-        return [sum(col) for col in zip(*self.sync.own_prefill, strict=True)]
+        per_replica = ([x.prefill_tokens for x in own] for own in self.sync.own)
+        return [sum(col) for col in zip(*per_replica, strict=True)]
 
     def attach(self, engines: Sequence[Engine], block_size: int) -> None:
         self.engines = engines
@@ -353,19 +354,19 @@ class PolicyRouter:
             sync.deliver(now)
         r = self._spread.randrange(len(self.policies)) if len(self.policies) > 1 else 0
         policy = self.policies[r]
-        prefill = sync.prefill[r]
+        seen = sync.seen[r]
         # One gateway: the fleet's count of requests in flight is this gateway's own.
-        in_flight = sync.in_flight[r] if self.track_done else None
+        track = self.track_done
         views = [
             WorkerView(
                 name=self.names[s.index],
-                in_flight=s.in_flight if in_flight is None else in_flight[s.index],
+                in_flight=seen[s.index].in_flight if track else s.in_flight,
                 running=s.running,
                 waiting=s.waiting,
                 kv_usage=s.kv_usage,
                 block_size=s.block_size,
                 num_blocks=s.num_blocks,
-                prefill_tokens=prefill[s.index],
+                prefill_tokens=seen[s.index].prefill_tokens,
             )
             for s in fleet.engines
         ]

@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.desired_workers import AutoscaleSettings as AutoscaleCore
+from scoring.views import Weights
 
 _T = TypeVar("_T")
 
@@ -188,12 +189,13 @@ class RetrySettings(_Section):
     max_attempts: int = Field(3, ge=1, le=10)
 
 
-class WeightsSettings(_Section):
-    prefix: float = Field(0.45, ge=0)
-    queue: float = Field(0.25, ge=0)
-    kv: float = Field(0.20, ge=0)
-    tenant: float = Field(0.10, ge=0)
-    session: float = Field(0.15, ge=0)
+# [routing.weights]: one non-negative number per kv_aware signal, named and defaulted by the
+# scorer's own `scoring.views.Weights` (a signal added there is configurable here as it is).
+WeightsSettings = create_model(
+    "WeightsSettings",
+    __base__=_Section,
+    **{f.name: (float, Field(f.default, ge=0)) for f in dataclasses.fields(Weights)},
+)
 
 
 class SplitSettings(_Section):

@@ -70,12 +70,9 @@ class Lifecycle:
         policy.on_dispatch(worker.name, call.route)
         call.route_debug = d
         call.policy = policy
-        tokens = d.prefill_tokens
-        worker.in_flight += 1
+        worker.dispatched(d.prefill_tokens)
         call.prefill_reported = False
-        call.prefill_tokens = tokens
-        worker.prefill_tokens += tokens
-        worker.sent_tokens_since_scrape += tokens
+        call.prefill_tokens = d.prefill_tokens
         call.pool = worker.spec.labels.get("pool", "default")
         m.child(m.in_flight, worker.name).set(worker.in_flight)
 
@@ -87,7 +84,7 @@ class Lifecycle:
         self.prefill_done(worker, call)
 
     def prefill_done(self, worker: Worker, call: Call) -> None:
-        worker.prefill_tokens = max(0, worker.prefill_tokens - call.prefill_tokens)
+        worker.prefill_done(call.prefill_tokens)
         call.prefill_tokens = 0
         if call.route.block_chain and not call.prefill_reported and call.policy is not None:
             call.prefill_reported = True
@@ -96,7 +93,7 @@ class Lifecycle:
     def released(self, worker: Worker, call: Call) -> None:
         """The attempt on ``worker`` is over (ended, failed or handed back): its slot is free."""
         self.prefill_done(worker, call)
-        worker.in_flight -= 1
+        worker.released()
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
         self.admission.kick(call.model)
 

@@ -56,7 +56,7 @@ class Proxy:
         self.registry = registry
         self.client = client
         self.metrics = metrics
-        self.room = slots.worker_room  # bound once: it runs per candidate
+        self.slots = slots
         self.life = life
 
     # -- dispatch --------------------------------------------------------------------------------
@@ -67,12 +67,9 @@ class Proxy:
         last_error: APIError | None = None
         max_attempts = settings.retries.max_attempts
         life = self.life
-        room = self.room
+        eligible = self.slots.eligible
         while call.attempts < max_attempts:
-            cands = [w for w in self.registry.candidates(call.model) if w.name not in tried]
-            if call.pool_ok is not None:
-                cands = [w for w in cands if call.pool_ok(w)] or cands
-            cands = [w for w in cands if room(w) > 0] or cands
+            cands = eligible(call.model, tried, call.pool_ok)
             if not cands:
                 break
             decision = policy.choose([w.view() for w in cands], call.route)

@@ -10,7 +10,7 @@ worker's trial budget, headroom for the latency-sensitive tiers) are policy, not
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from gateway.config import AdmissionSettings, SplitSettings
 from scoring.views import RoutingOptions
@@ -66,6 +66,19 @@ class Slots:
             trial = self.registry.half_open_requests - w.in_flight
             room = trial if trial < room else room
         return room if room > 0 else 0
+
+    def eligible(
+        self, model: str, tried: Collection[str], pool_ok: Callable[[Worker], bool] | None
+    ) -> list[Worker]:
+        """The workers a dispatch may pick from, the filters in order: healthy and serving
+        ``model`` (the registry's), not ``tried`` by this request, in its canary pool, with room.
+        The last two are preferences: when nobody passes one it is dropped, so a request still
+        goes somewhere (the pool empty or full, every worker full past admission's count)."""
+        cands = [w for w in self.registry.candidates(model) if w.name not in tried]
+        if pool_ok is not None:
+            cands = [w for w in cands if pool_ok(w)] or cands
+        room = self.worker_room
+        return [w for w in cands if room(w) > 0] or cands
 
     def free(self, model: str, priority: float) -> int:
         """Free slots for ``model`` that a request of ``priority`` may take (the reserve is

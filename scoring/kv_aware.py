@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scoring.precise import PreciseIndex
 from scoring.state import _Learning
 from scoring.views import Decision, RouteRequest, RoutingOptions, WorkerView
 
@@ -56,15 +55,8 @@ class KVAware(_Learning):
         if not candidates:
             raise ValueError("no candidates")
         state = self.state
-        chain = request.chain
-        matches = state.index.match(chain) if chain else {}
-        precise = state.precise
         now = self._clock()
-        trusted = _NOBODY
-        if precise is not None and request.block_chain:
-            trusted = precise.trusted(now)
-            if trusted:
-                matches = _merge_precise(matches, trusted, precise, request, now)
+        matches, trusted = state.matches(request, now)
         entry = state.sessions.lookup(request.session_id, now) if request.session_id else None
         last, last_tokens = entry if entry else (None, 0)
         own_committed = last_tokens  # this session's last turn, counted in its worker's commitment
@@ -337,27 +329,5 @@ class KVAware(_Learning):
         return ties, best, n_ok, n_held, best_match
 
 
-def _merge_precise(
-    matches: dict[str, int],
-    trusted: frozenset[str],
-    precise: PreciseIndex,
-    request: RouteRequest,
-    now: float,
-) -> dict[str, int]:
-    """Approximate matches for workers without trusted events, precise ones for the others.
-
-    A precise match counts worker blocks; the scorer counts chain entries, so it is converted
-    (exact in the dense head, rounded down to a tail span beyond it).
-    """
-    out = {k: v for k, v in matches.items() if k not in trusted}
-    conv = request.entries_for_blocks
-    for name, blocks in precise.match(request.block_chain, now).items():
-        e = conv(blocks)
-        if e:
-            out[name] = e
-    return out
-
-
 # Memo entries (one per worker name) kept beyond 4x the candidates before the memo is cleared.
 _MEMO_SLACK = 1024
-_NOBODY: frozenset[str] = frozenset()  # no worker with trusted KV events

@@ -130,7 +130,8 @@ class PrefixAffinity(_Learning):
     """Cache affinity: the longest prefix holder, misses and ties at random, and a load guard.
 
     A baseline (what the vLLM production-stack router does), kept to measure what the load terms
-    of ``kv_aware`` buy. Without the guard it was an outage waiting for a common system prompt:
+    of ``kv_aware`` buy. Holders come from ``RoutingState.matches``, as kv_aware's do (what KV
+    events say for workers that publish them, the approximate index for the rest). Without the guard it was an outage waiting for a common system prompt:
     every request matched the first block on one worker and went there (offline p50 TTFT ~3,000 s
     of simulated time; online p99 23.6 s). So, as the cache-aware Rust routers' balance thresholds
     do, a worker whose outstanding requests exceed the least loaded candidate's by more than
@@ -149,7 +150,7 @@ class PrefixAffinity(_Learning):
         if not candidates:
             raise ValueError("no candidates")
         o = self.options
-        matches = self.state.index.match(request.chain) if request.chain else {}
+        matches, _trusted = self.state.matches(request, self._clock())
         floor = min(load_of(w) for w in candidates)
         limit = max(floor + o.affinity_max_excess, floor * o.affinity_max_ratio)
         committed, home, floor_c = self._commitment(candidates, request)

@@ -64,6 +64,28 @@ class RoutingState:
         self.sessions.max_size = o.session_max
         self.sessions.active_s = o.session_active_s
 
+    def matches(self, request: RouteRequest, now: float) -> tuple[dict[str, int], frozenset[str]]:
+        """Which workers hold how much of ``request``'s prefix (leading chain entries), and which
+        of them publish KV events that are trusted now: the one lookup policies make over both
+        indexes. A trusted worker's figure is what its events say it holds (converted from its
+        blocks to chain entries: exact in the dense head, rounded down to a tail span beyond);
+        everyone else's is the approximate index's, learned from our own dispatches."""
+        chain = request.chain
+        matches = self.index.match(chain) if chain else {}
+        precise = self.precise
+        if precise is None or not request.block_chain:
+            return matches, _NOBODY
+        trusted = precise.trusted(now)
+        if not trusted:
+            return matches, _NOBODY
+        out = {k: v for k, v in matches.items() if k not in trusted}
+        conv = request.entries_for_blocks
+        for name, blocks in precise.match(request.block_chain, now).items():
+            e = conv(blocks)
+            if e:
+                out[name] = e
+        return out, trusted
+
     def sync_capacity(self, w: WorkerView) -> None:
         """Size a worker's index budget from its reported KV cache (num_gpu_blocks * block_size)."""
         if not (w.num_blocks and w.block_size):
@@ -154,3 +176,6 @@ class _Learning:
 
     def _pick(self, ties: list[Any]) -> Any:
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+
+
+_NOBODY: frozenset[str] = frozenset()  # no worker with trusted KV events

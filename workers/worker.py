@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scoring.views import WorkerView
+from workers.dispatch_load import DispatchLoad
 from workers.vllm_metrics import WorkerMetrics
 
 
@@ -47,7 +48,7 @@ class WorkerSpec:
 
 
 @dataclass(slots=True)
-class Worker:
+class Worker(DispatchLoad):
     spec: WorkerSpec
     health: Health = Health.STARTING
     models: frozenset[str] = frozenset()

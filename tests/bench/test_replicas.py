@@ -114,22 +114,22 @@ def test_load_counts_own_then_everyone_s_once_delivered() -> None:
     route = RouteRequest(model="m", chain=(1, 2, 3), session_id="s")
     sync.dispatched(0, 1.0, 2, route, 300)
     sync.dispatched(1, 1.1, 2, route, 200)
-    assert sync.prefill[0][2] == 300 and sync.in_flight[0][2] == 1  # own at once
+    assert sync.prefill(0)[2] == 300 and sync.in_flight(0)[2] == 1  # own at once
     sync.deliver(1.49)
-    assert sync.prefill[2][2] == 0 and sync.in_flight[2][2] == 0  # not yet
+    assert sync.prefill(2)[2] == 0 and sync.in_flight(2)[2] == 0  # not yet
     sync.deliver(1.5)
-    assert sync.prefill[2][2] == 300 and sync.prefill[1][2] == 500 and sync.prefill[0][2] == 300
+    assert sync.prefill(2)[2] == 300 and sync.prefill(1)[2] == 500 and sync.prefill(0)[2] == 300
     sync.deliver(1.6)
-    assert [sync.prefill[r][2] for r in range(3)] == [500, 500, 500]
-    assert [sync.in_flight[r][2] for r in range(3)] == [2, 2, 2]
+    assert [sync.prefill(r)[2] for r in range(3)] == [500, 500, 500]
+    assert [sync.in_flight(r)[2] for r in range(3)] == [2, 2, 2]
     sync.prefill_done(0, 2.0, 2, 300)
     sync.finished(0, 3.0, 2)
-    assert sync.prefill[0][2] == 200 and sync.in_flight[0][2] == 1
-    assert sync.prefill[1][2] == 500  # the first token is still in transit
+    assert sync.prefill(0)[2] == 200 and sync.in_flight(0)[2] == 1
+    assert sync.prefill(1)[2] == 500  # the first token is still in transit
     sync.deliver(3.5)
-    assert [sync.prefill[r][2] for r in range(3)] == [200, 200, 200]
-    assert [sync.in_flight[r][2] for r in range(3)] == [1, 1, 1]
-    assert sync.own_prefill[1][2] == 200 and sync.own_prefill[2][2] == 0
+    assert [sync.prefill(r)[2] for r in range(3)] == [200, 200, 200]
+    assert [sync.in_flight(r)[2] for r in range(3)] == [1, 1, 1]
+    assert sync.own[1][2].prefill_tokens == 200 and sync.own[2][2].prefill_tokens == 0
     # `load` alone shares no learned state (and these policies never dispatched themselves)
     assert learned_state(sync.policies[2].state) == {"index": {}, "fill": {}, "sessions": []}
 

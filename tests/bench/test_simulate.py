@@ -99,7 +99,7 @@ def test_every_replica_s_counts_return_to_zero(share: str) -> None:
     inner = router.__call__
 
     def spy(arrival, fleet):  # type: ignore[no-untyped-def]
-        peak.append(max(max(row) for row in router.sync.in_flight))
+        peak.append(max(x.in_flight for row in router.sync.seen for x in row))
         return inner(arrival, fleet)
 
     sim = ObservedFleet(FLEET.engines(), router)
@@ -108,8 +108,10 @@ def test_every_replica_s_counts_return_to_zero(share: str) -> None:
     assert max(peak) > 0 and router.running == {} and router.pending == {}
     router.sync.deliver(float("inf"))
     sync = router.sync
-    for table in (sync.in_flight, sync.prefill, sync.own_in_flight, sync.own_prefill):
-        assert table == [[0, 0, 0]] * 3
+    for table in (sync.seen, sync.own):
+        assert [[(x.in_flight, x.prefill_tokens) for x in row] for row in table] == [
+            [(0, 0)] * 3
+        ] * 3
     assert (sync.delivered > 0) == (share != "none")
 
 
