@@ -131,16 +131,17 @@ class PrefixAffinity(_Learning):
 
     A baseline (what the vLLM production-stack router does), kept to measure what the load terms
     of ``kv_aware`` buy. Holders come from ``RoutingState.matches``, as kv_aware's do (what KV
-    events say for workers that publish them, the approximate index for the rest). Without the guard it was an outage waiting for a common system prompt:
-    every request matched the first block on one worker and went there (offline p50 TTFT ~3,000 s
-    of simulated time; online p99 23.6 s). So, as the cache-aware Rust routers' balance thresholds
-    do, a worker whose outstanding requests exceed the least loaded candidate's by more than
-    ``affinity_max_excess`` and ``affinity_max_ratio`` times is left out; what it held spreads to
-    the others, which then hold it too. A holder is also left out for a request whose session
-    does not live there when the long sessions already pinned to it outweigh the least committed
-    worker's past ``commitment_slack`` (``signals.commitment_yield`` at 0): request counts miss
-    that agents' contexts grow where their preamble was (p99 TTFT 28.8 s on the agentic trace of
-    bench/README).
+    events say for workers that publish them, the approximate index for the rest).
+
+    Without the guard it was an outage waiting for a common system prompt: every request matched the
+    first block on one worker and went there (offline p50 TTFT ~3,000 s of simulated time; online
+    p99 23.6 s). So, as the cache-aware Rust routers' balance thresholds do, a worker whose
+    outstanding requests exceed the least loaded candidate's by more than ``affinity_max_excess``
+    and ``affinity_max_ratio`` times is left out; what it held spreads to the others, which then
+    hold it too. A holder is also left out for a request whose session does not live there when the
+    long sessions already pinned to it outweigh the least committed worker's past
+    ``commitment_slack`` (``signals.commitment_yield`` at 0): request counts miss that agents'
+    contexts grow where their preamble was (p99 TTFT 28.8 s on the agentic trace of bench/README).
     """
 
     name = "prefix"
