@@ -203,8 +203,10 @@ PRECISE = "kv_aware_precise"
 class PolicyRouter:
     """Adapts a scoring policy to the virtual fleet: snapshot -> WorkerViews -> choose/dispatch.
 
-    Keeps the gateway's own per-worker bookkeeping the views need: the uncached prompt tokens of
-    dispatched requests that have not produced a first token yet (`prefill_tokens`).
+    Keeps the gateway's own per-worker bookkeeping the views need, by the gateway's own rules
+    (`workers.dispatch_load`): the uncached prompt tokens of dispatched requests that have not
+    produced a first token yet (`prefill_tokens`), and with several replicas the requests each
+    counts in flight.
 
     `kv_aware_precise` is `kv_aware` over the precise index fed by the engines' own KV events
     (what the gateway does with vLLM's), drained before every decision: the events of every step
