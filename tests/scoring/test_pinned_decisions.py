@@ -6,7 +6,7 @@ memo serving a stale view) changes *which* worker wins only now and then, which 
 would notice. These traces exercise every branch that decides: sampled and full fleets, holders
 and misses, tails past the dense head, sessions, saturated workers (queue and KV), ties broken at
 random, views replaced as load moves, workers leaving and coming back. The expected sequences were
-recorded with the scorer as it stood before the issue-15 speed work (commit 3364923) and every
+recorded with the scorer as it stood before the hot-path speed work (commit 3364923) and every
 decision since must reproduce them exactly, scores included (a SHA-256 over their ``repr``).
 
 If a change is *meant* to change decisions, regenerate with ``python -m tests.scoring.
