@@ -151,10 +151,11 @@ class PrefixAffinity(_Learning):
         if not candidates:
             raise ValueError("no candidates")
         o = self.options
-        matches, _trusted = self.state.matches(request, self._clock())
+        now = self._clock()  # once per decision
+        matches, _trusted = self.state.matches(request, now)
         floor = min(load_of(w) for w in candidates)
         limit = max(floor + o.affinity_max_excess, floor * o.affinity_max_ratio)
-        committed, home, floor_c = self._commitment(candidates, request)
+        committed, home, floor_c = self._commitment(candidates, request, now)
         best = 0
         ties: list[WorkerView] = []
         open_: list[WorkerView] = []
@@ -193,13 +194,12 @@ class PrefixAffinity(_Learning):
         )
 
     def _commitment(
-        self, candidates: Sequence[WorkerView], request: RouteRequest
+        self, candidates: Sequence[WorkerView], request: RouteRequest, now: float
     ) -> tuple[dict[str, int], str | None, float]:
         """(session commitment per worker, this session's worker, the least committed
         candidate's commitment, this session's own turn not counted)."""
         if not self.options.commitment_slack:
             return {}, None, 0.0
-        now = self._clock()
         committed = self.state.sessions.committed(now)
         if not committed:
             return committed, None, 0.0
