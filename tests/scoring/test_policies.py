@@ -237,6 +237,29 @@ def test_a_holder_saturated_on_kv_only_keeps_its_prefix() -> None:
     assert d.worker.name == "cold" and d.reason == "load_fallback"
 
 
+def test_a_full_holder_without_room_for_the_tail_yields_to_a_worker_with_room() -> None:
+    # 4,096 blocks of 16 tokens; the holder's running requests fill 95% of them. A ~60-token tail
+    # fits beside them, a ~3,000-token one does not: that request would wait there for a running
+    # decode to end (no queue shows it), however long it takes, while the empty worker starts it.
+    p = KVAware(rng=random.Random(0))
+    r = key(p, chat("x"), session_id="s")
+    p.on_dispatch("hot", r)
+    cap = {"num_blocks": 4096, "block_size": 16, "in_flight_at_scrape": 0}
+    views = [WorkerView("hot", kv_usage=0.95, running=2, **cap), WorkerView("cold", **cap)]
+    short = p.choose(views, key(p, chat("y" * 240), session_id="s"))
+    assert short.worker.name == "hot" and short.reason == "affinity"
+    long = p.choose(views, key(p, chat("y" * 12_000), session_id="s"))
+    assert long.worker.name == "cold" and long.reason == "load_fallback"
+    assert long.scores["session"] == 0.0
+    # When no other worker could take the whole prompt beside its live sessions, waiting on the
+    # holder is still the better bet: it keeps its prefix.
+    other = key(p, chat("other tenant " * 4_000), session_id="t")  # ~13k tokens, live at "cold"
+    p.on_dispatch("cold", other)
+    crowded = [views[0], WorkerView("cold", kv_usage=0.85, running=4, **cap)]
+    d = p.choose(crowded, key(p, chat("y" * 12_000), session_id="s"))
+    assert d.worker.name == "hot" and d.reason == "affinity"
+
+
 def test_tenant_priority_buys_a_shorter_queue_at_the_cost_of_kv_headroom() -> None:
     p = KVAware(rng=random.Random(0))
     views = [
