@@ -57,6 +57,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from bench.floor import floor_describe
 from bench.gateways import (  # noqa: F401 - kvgate_config: part of this module's interface
     kv_event_endpoints,
     kvgate_config,
@@ -335,6 +336,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- infinite-cache bound: {tr['bound']['token_hit_rate']:.1%} of prompt tokens "
         f"({tr['bound']['block_hit_rate']:.1%} of blocks); pooled fleet cache (LRU) "
         f"{tr['pooled_bound']['token_hit_rate']:.1%}",
+        f"- TTFT floor (each request alone on an idle worker holding every earlier block; "
+        f"bench/floor.py): {floor_describe(tr)}",
         f"- fleet: {report['fleet_describe']} (fresh for every target)",
         f"- kvgate: {gateways_describe(report)}",
         f"- replay: open loop, {report['replay']['endpoint']}, max concurrency "
@@ -458,7 +461,8 @@ def console_table(report: dict[str, Any], wide: bool = False) -> Table:
         title="bench.compare (seconds; hit rate from the workers' usage.cached_tokens)"
         + (f"; kvgate = {n} gateway replicas on one Redis{off}" if n > 1 else ""),
         caption=f"{tr['describe']} | {report['fleet_describe']} | infinite-cache bound "
-        f"{bound:.1%}, pooled LRU {tr['pooled_bound']['token_hit_rate']:.1%} | goodput SLO "
+        f"{bound:.1%}, pooled LRU {tr['pooled_bound']['token_hit_rate']:.1%} | TTFT floor "
+        f"{floor_describe(tr)} | goodput SLO "
         f"{report['slo_describe']} | seed {report['seed']}",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
@@ -860,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bound = cache_bound(trace.requests)
     pooled = cache_bound(trace.requests, fleet.workers * fleet.num_blocks * fleet.block_size)
+    floor = dist(fleet.spec().ttft_floor(trace.requests))
     report = {
         "targets": [
             {
@@ -878,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
             "pacing": pacing,
             "bound": bound.to_json(),
             "pooled_bound": pooled.to_json(),
+            "ttft_floor": floor,
         },
         "fleet": {
             "workers": fleet.workers,

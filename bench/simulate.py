@@ -52,6 +52,7 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bench.floor import floor_describe, ttft_floor
 from bench.metrics import SLO, balance, dist, fmt_s, machine, tpot
 from bench.paths import MOONCAKE_TRACE, out_path, shown
 from bench.replicas import CLUSTER_PARTS, DEFAULT_DELAY_S, PARTS, ReplicaSync, ShareModel
@@ -79,7 +80,7 @@ from workers.kv_intake import PreciseSink
 from workers.sim.engine import Engine
 from workers.sim.engine_types import EngineConfig, SimRequest
 from workers.sim.kv_publisher import wire_events
-from workers.sim.profiles import get_profile
+from workers.sim.profiles import TimingProfile, get_profile
 from workers.sim.vclock import Arrival, FleetSnapshot, SimulationResult, VirtualFleet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,10 +123,26 @@ class FleetSpec:
             max_model_len=self.max_model_len,
             enable_kv_events=kv_events,
         )
+        profile = self.timing()
+        return [Engine(config, profile) for _ in range(self.workers)]
+
+    def timing(self) -> TimingProfile:
+        """The workers' timing profile, scaled."""
         profile = get_profile(self.profile)
         if self.profile_scale != 1.0:
             profile = profile.with_overrides(scale=self.profile_scale)
-        return [Engine(config, profile) for _ in range(self.workers)]
+        return profile
+
+    def ttft_floor(self, requests: Sequence[TraceRequest]) -> list[float]:
+        """Each request's TTFT alone on one of these workers holding every earlier block
+        (`bench.floor`)."""
+        return ttft_floor(
+            requests,
+            self.timing(),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_tokens=self.num_blocks * self.block_size,
+            max_model_len=self.max_model_len,
+        )
 
     @property
     def capacity_tokens(self) -> int:
@@ -737,7 +754,8 @@ def report_table(report: dict[str, Any], wide: bool = False) -> Table:
         f"{tr['bound']['token_hit_rate']:.1%} of prompt tokens, "
         f"{tr['bound']['block_hit_rate']:.1%} of blocks; pooled fleet cache (LRU, "
         f"{report['fleet']['workers']} x {report['fleet']['num_blocks']} blocks) "
-        f"{tr['pooled_bound']['token_hit_rate']:.1%} | machine "
+        f"{tr['pooled_bound']['token_hit_rate']:.1%} | TTFT floor (each request alone, "
+        f"infinite cache) {floor_describe(tr)} | machine "
         f"{report['machine']['cpu']} x{report['machine']['cores']} | seconds unless stated"
     )
     t = Table(
@@ -813,6 +831,10 @@ def print_table(console: Console, table: Table) -> None:
     ).print(table)
 
 
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _ratio(v: float | None) -> str:
     return f"{v:.2f}" if v is not None else "-"
 
@@ -830,6 +852,7 @@ REPORT_COLUMNS: tuple[tuple[str, bool, Cell], ...] = (
     ("TTFT\np50", False, lambda p: fmt_s(p["ttft"]["p50"])),
     ("TTFT\np90", False, lambda p: fmt_s(p["ttft"]["p90"])),
     ("TTFT\np99", False, lambda p: fmt_s(p["ttft"]["p99"])),
+    ("p99\n/floor", True, lambda p: _ratio(p.get("ttft_p99_vs_floor"))),
     ("TPOT\np50", True, lambda p: fmt_s(p["tpot"]["p50"], 4)),
     ("TPOT\np99", False, lambda p: fmt_s(p["tpot"]["p99"], 4)),
     ("ITL\np99", True, lambda p: fmt_s(p["itl"]["p99"], 4)),
@@ -1068,6 +1091,9 @@ def build_report(
 ) -> dict[str, Any]:
     bound = cache_bound(ctx.trace.requests)
     pooled = cache_bound(ctx.trace.requests, ctx.fleet.capacity_tokens)
+    floor = dist(ctx.fleet.ttft_floor(ctx.trace.requests))
+    for p in results:
+        p["ttft_p99_vs_floor"] = _over(p["ttft"]["p99"], floor["p99"])
     return {
         "policies": results,
         "trace": {
@@ -1075,6 +1101,7 @@ def build_report(
             "describe": ctx.trace.describe(),
             "bound": bound.to_json(),
             "pooled_bound": pooled.to_json(),
+            "ttft_floor": floor,
         },
         "time_scale": time_scale,
         "rate_scale": 1.0 / time_scale,

@@ -914,6 +914,32 @@ class CacheBound:
         }
 
 
+def bound_hits(
+    requests: Iterable[TraceRequest], capacity_tokens: int | None = None
+) -> Iterator[tuple[TraceRequest, list[int], int]]:
+    """Per request in arrival order: its chain keys and how many of its leading blocks one cache
+    holds when it arrives (unbounded, or `capacity_tokens` of LRU; see `cache_bound`)."""
+    seen: OrderedDict[int, None] | set[int] = OrderedDict() if capacity_tokens else set()
+    for r in requests:
+        keys = chain_keys(r)
+        cap = (r.input_length - 1) // r.block_size
+        matched = 0
+        for k in keys[:cap]:
+            if k not in seen:
+                break
+            matched += 1
+        yield r, keys, matched
+        if isinstance(seen, OrderedDict):
+            limit = max(0, capacity_tokens or 0) // r.block_size
+            for k in reversed(keys):
+                seen[k] = None
+                seen.move_to_end(k)
+            while len(seen) > limit:
+                seen.popitem(last=False)
+        else:
+            seen.update(keys)
+
+
 def cache_bound(requests: Iterable[TraceRequest], capacity_tokens: int | None = None) -> CacheBound:
     """The infinite-cache bound of a trace, in arrival order (see `CacheBound`).
 
@@ -924,29 +950,12 @@ def cache_bound(requests: Iterable[TraceRequest], capacity_tokens: int | None = 
     optimal eviction), but it separates "the router misplaces prefixes" from "the fleet is too
     small for this trace's working set", which the infinite bound cannot.
     """
-    seen: OrderedDict[int, None] | set[int] = OrderedDict() if capacity_tokens else set()
     hit_tokens = prompt = hit_blocks = blocks = n = 0
-    for r in requests:
-        keys = chain_keys(r)
-        cap = (r.input_length - 1) // r.block_size
-        matched = 0
-        for k in keys[:cap]:
-            if k not in seen:
-                break
-            matched += 1
+    for r, keys, matched in bound_hits(requests, capacity_tokens):
         hit_tokens += matched * r.block_size
         hit_blocks += matched
         blocks += len(keys)
         prompt += r.input_length
-        if isinstance(seen, OrderedDict):
-            limit = max(0, capacity_tokens or 0) // r.block_size
-            for k in reversed(keys):
-                seen[k] = None
-                seen.move_to_end(k)
-            while len(seen) > limit:
-                seen.popitem(last=False)
-        else:
-            seen.update(keys)
         n += 1
     return CacheBound(hit_tokens, prompt, hit_blocks, blocks, n)
 

@@ -35,6 +35,7 @@ def _policy(name: str, hit: float) -> dict[str, Any]:
         "hit_vs_bound": hit / 0.65,
         "hit_vs_pooled_bound": hit / 0.395,
         "ttft": _dist(12.345678),
+        "ttft_p99_vs_floor": 12.345678 / 1.9213,
         "tpot": _dist(0.123456),
         "itl": _dist(0.0987654),
         "e2e": _dist(123.456),
@@ -52,6 +53,7 @@ REPORT: dict[str, Any] = {
         "describe": "synthetic_trace.jsonl (mooncake, 3993 requests)",
         "bound": {"token_hit_rate": 0.65, "block_hit_rate": 0.659},
         "pooled_bound": {"token_hit_rate": 0.395},
+        "ttft_floor": {"p50": 0.0271, "p99": 1.9213},
     },
     "time_scale": 0.2,
     "fleet": {"workers": 8, "num_blocks": 32768},
@@ -95,6 +97,9 @@ def test_wide_table_keeps_every_digit_even_in_a_narrow_terminal() -> None:
     for n in _numbers(REPORT, wide=True):
         assert n in out, n
     assert "out" in out and "1.23/2.35" in out
+    assert (
+        "6.43" in out and "floor (each request alone, infinite cache) p50 0.027, p99 1.921" in out
+    )
 
 
 def test_a_long_policy_label_folds_instead_of_cutting_numbers() -> None:
