@@ -308,6 +308,10 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v / 1000:.3f}"
 
 
+def _ratio(v: float | None, of: float) -> str:
+    return "-" if v is None or not of else f"{v / of:.2f}"
+
+
 def pacing_describe(p: dict[str, Any] | None) -> str:
     """How the sample's clock was set, in words."""
     if not p:
@@ -348,11 +352,12 @@ def markdown(report: dict[str, Any]) -> str:
         "- latencies in seconds; hit rate = cached / prompt tokens (usage); load = max/mean "
         "requests per worker (workers' own counters)",
         "",
-        "| router | ok/failed | hit rate | /bound | TTFT p50 | p90 | p99 | TPOT p50 | p99 | "
-        "E2E p99 | req/s | goodput | load | predicted hit / TTFT p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| router | ok/failed | hit rate | /bound | TTFT p50 | p90 | p99 | p99/floor | TPOT p50 | "
+        "p99 | E2E p99 | req/s | goodput | load | predicted hit / TTFT p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     bound = tr["bound"]["token_hit_rate"]
+    floor_ms = 1000 * ((tr.get("ttft_floor") or {}).get("p99") or 0.0)
     for t in report["targets"]:
         if t["status"] != "ok":
             continue
@@ -365,7 +370,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'-' if hr is None else f'{hr:.1%}'} | "
             f"{'-' if hr is None or not bound else f'{hr / bound:.2f}'} | "
             f"{_ms(r['median_ttft_ms'])} | {_ms(r['p90_ttft_ms'])} | {_ms(r['p99_ttft_ms'])} | "
-            f"{_ms(r['median_tpot_ms'])} | {_ms(r['p99_tpot_ms'])} | {_ms(r['p99_e2el_ms'])} | "
+            f"{_ratio(r['p99_ttft_ms'], floor_ms)} | {_ms(r['median_tpot_ms'])} | "
+            f"{_ms(r['p99_tpot_ms'])} | {_ms(r['p99_e2el_ms'])} | "
             f"{r['request_throughput']:.2f} | {r['request_goodput']:.2f} | "
             f"{'-' if wb is None else f'{wb:.2f}'} | "
             + (f"{pred['hit_rate']:.1%} / {pred['ttft']['p99']:.3f} |" if pred else "- |")

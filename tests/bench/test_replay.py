@@ -143,6 +143,7 @@ def test_compare_markdown_states_the_setup() -> None:
             "describe": "t (mooncake, 10 requests); sample: x",
             "bound": {"token_hit_rate": 0.6, "block_hit_rate": 0.6},
             "pooled_bound": {"token_hit_rate": 0.55},
+            "ttft_floor": {"p50": 0.05, "p99": 0.12},
         },
         "fleet_describe": "8 simulated workers",
         "replay": {"endpoint": "text", "max_concurrency": 8},
@@ -156,7 +157,10 @@ def test_compare_markdown_states_the_setup() -> None:
         ],
     }
     md = markdown(report)
-    assert "| kvgate:kv_aware | 10/0 | 50.0% | 0.83 | 0.100 | 0.200 | 0.300 |" in md
+    assert "| kvgate:kv_aware | 10/0 | 50.0% | 0.83 | 0.100 | 0.200 | 0.300 | 2.50 |" in md
+    assert "- TTFT floor (each request alone" in md and "p50 0.050, p99 0.120" in md
+    del report["trace"]["ttft_floor"]  # a report from before the floor: no ratio, no failure
+    assert "| 0.300 | - |" in markdown(report)
     assert "- smg: skipped: pip failed" in md and "seed 3" in md and "sample: x" in md
 
 
