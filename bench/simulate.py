@@ -305,6 +305,8 @@ class PolicyRouter:
         self.reasons: Counter[str] = Counter()
         self.engines: Sequence[Engine] = ()
         self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
+        # id -> (route, on_dispatch's receipt) until the first token: a refusal takes it back
+        self.learned: dict[str, tuple[RouteRequest, Any]] = {}
         self.block_size = 16
         # Token mode's keyer (precise runs): requests arrive with token-id prompts, so it
         # tokenizes nothing.
@@ -392,7 +394,7 @@ class PolicyRouter:
         route = self.route_key(arrival)
         decision = policy.choose(views, route)
         name = decision.worker.name
-        policy.on_dispatch(name, route)
+        receipt = policy.on_dispatch(name, route)
         w = self.index[name]
         self.reasons[decision.reason] += 1
         tokens = decision.prefill_tokens
@@ -400,6 +402,7 @@ class PolicyRouter:
         self.awaiting[w] += 1
         rid = arrival.request.request_id
         self.pending[rid] = (r, w, tokens)
+        self.learned[rid] = (route, receipt)
         if self.track_done:
             self.running[rid] = (r, w)
         if self.precise is not None:
@@ -408,6 +411,7 @@ class PolicyRouter:
 
     def first_token(self, request_id: str, now: float | None = None) -> None:
         r, w, tokens = self.pending.pop(request_id)
+        self.learned.pop(request_id, None)
         route = self.routes.pop(request_id, None)
         self.sync.prefill_done(r, self.now if now is None else now, w, tokens, route)
         self.awaiting[w] -= 1
@@ -421,7 +425,11 @@ class PolicyRouter:
 
     def rejected(self, request_id: str, now: float) -> None:
         """The engine refused the request it was sent (too long: vLLM's 400): whatever the
-        dispatch counted ends here, as a failed request's does in the gateway."""
+        dispatch counted ends here, as a failed request's does in the gateway, and the policy
+        forgets what it learned from it (``on_refused``)."""
+        route, receipt = self.learned[request_id]
+        r, w, _tokens = self.pending[request_id]
+        self.policies[r].on_refused(self.names[w], route, receipt)
         self.first_token(request_id, now)
         if self.track_done:
             self.finished(request_id, now)

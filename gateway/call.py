@@ -69,6 +69,7 @@ class Call:
     pool: str = ""  # the chosen worker's `pool` label, for per-pool metrics
     prefill_tokens: int = 0  # the routing decision's estimate, held on the worker until 1st byte
     prefill_reported: bool = False  # this attempt's on_prefill_done was called
+    learned: Any = None  # this attempt's policy.on_dispatch receipt (for on_refused)
     account: Account | None = None  # who pays (None: the proxy's own tests, no tenancy)
     client_request_id: str | None = None  # the client's x-request-id: a label, echoed, forwarded
     # The request went to a worker that may be generating it (non-streaming: nothing tells how

@@ -67,7 +67,7 @@ class Lifecycle:
         q = d.scores.get("queue")
         if q is not None:
             m.child(m.queue_delay, worker.name).set(q)
-        policy.on_dispatch(worker.name, call.route)
+        call.learned = policy.on_dispatch(worker.name, call.route)
         call.route_debug = d
         call.policy = policy
         worker.dispatched(d.prefill_tokens)
@@ -96,6 +96,15 @@ class Lifecycle:
         worker.released()
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
         self.admission.kick(call.model)
+
+    def refused(self, worker: Worker, call: Call) -> None:
+        """The worker answered this attempt without working on it (a 4xx, a 5xx, no
+        connection): the policy forgets what it learned from the dispatch, so a prompt the
+        worker rejects (over the model's context, say) credits it with no cache and pins no
+        session there."""
+        if call.policy is not None:
+            call.policy.on_refused(worker.name, call.route, call.learned)
+        call.learned = None
 
     def failed(self, worker: Worker, error: str) -> None:
         """The worker failed a request before its first byte: passive health, and a probe now

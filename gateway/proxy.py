@@ -92,11 +92,14 @@ class Proxy:
                     call.upstream_sent = False  # refused: nothing was generated
                     body = await _read_bounded(resp, t.idle_s)
                     last_error = _upstream_error(resp.status, body)
+                    life.refused(worker, call)
                     life.failed(worker, f"HTTP {resp.status}")
                     continue
                 call.worker = worker.name
                 call.status = resp.status
                 headers = self._headers(call, worker.name, decision.reason, settings)
+                if resp.status != 200:
+                    life.refused(worker, call)  # the request itself was turned down
                 if resp.status != 200 or not call.stream:
                     return await self._whole(call, worker, resp, headers, t, deadline)
                 first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
@@ -126,6 +129,7 @@ class Proxy:
                     "upstream_error",
                     code="upstream_connect_error",
                 )
+                life.refused(worker, call)
                 life.failed(worker, f"connect: {e}")
             except (TimeoutError, UpstreamStreamError) as e:
                 timeout = isinstance(e, TimeoutError)

@@ -119,17 +119,19 @@ class PrefixIndex:
     # -- updates -----------------------------------------------------------------------------
     def record(
         self, worker: str, chain: Sequence[int], *, dense: int = 0, tail_ends: Sequence[int] = ()
-    ) -> None:
+    ) -> int:
         """The gateway sent ``chain`` to ``worker``: it holds (or will hold) those blocks now.
 
         With ``tail_ends`` (``scoring.prefix.tail_layout``) entries from index ``dense`` on are
         tail spans weighing the blocks they cover; without it every entry is one block. Touched tail
         first so that the chain's head ends up most recently used (see the module docstring); a
         chain heavier than the worker's capacity keeps its head, the part other requests share.
+
+        Returns how many leading entries the worker held already (``unrecord`` takes it back).
         """
         cap = self.capacity(worker)
         if cap <= 0 or not chain:
-            return
+            return len(chain)
         n = len(chain)
         if not tail_ends or n <= dense:
             dense, tail_ends = n, ()
@@ -172,6 +174,36 @@ class PrefixIndex:
         if self._used[slot] > cap:
             self._evict_to(slot, cap)
         self.fill[worker] = self._used[slot] / cap
+        return k
+
+    def unrecord(self, worker: str, chain: Sequence[int], held: int) -> None:
+        """Take back a ``record`` whose request the worker refused (a 4xx, or a 5xx before any
+        work): the entries past the ``held`` head it returned go, so the index does not credit
+        the worker with a prompt it never computed. What that record evicted stays evicted; an
+        entry another request sharing the chain recorded meanwhile goes too (it is back at that
+        request's next turn)."""
+        slot = self._slot.get(worker)
+        lru = None if slot is None else self._lru[slot]
+        if lru is None or held >= len(chain):
+            return
+        assert slot is not None
+        keep = ~(1 << slot)
+        holders = self._holders
+        pop = lru.pop
+        used = self._used[slot]
+        for h in chain[held:]:
+            w = pop(h, None)
+            if w is None:
+                continue
+            used -= w
+            m = holders.get(h, 0) & keep
+            if m:
+                holders[h] = m
+            else:
+                holders.pop(h, None)
+        self._used[slot] = used
+        cap = self.capacity(worker)
+        self.fill[worker] = used / cap if cap else 0.0
 
     def _evict_to(self, slot: int, cap: int) -> None:
         lru = self._lru[slot]

@@ -64,6 +64,16 @@ class Journal:
         q.append(entry)
         self.noted += 1
 
+    def retract(self, entry: Learned) -> bool:
+        """Drop a note not shipped yet (its dispatch was refused); False when already gone.
+        By identity, newest first: refusals come back within milliseconds of their note."""
+        q = self._q
+        for i in range(len(q) - 1, -1, -1):
+            if q[i] is entry:
+                del q[i]
+                return True
+        return False
+
     def take(self, limit: int) -> list[Learned]:
         """Up to ``limit`` oldest entries, removed from the journal."""
         q = self._q

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from scoring.kv_aware import KVAware
 from scoring.signals import commitment_yield, is_saturated, load_estimate, prefix_signal
@@ -55,8 +55,12 @@ class Policy(Protocol):
 
     def choose(self, candidates: Sequence[WorkerView], request: RouteRequest) -> Decision: ...
 
-    def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
-        """The request was sent to ``worker_name`` (call once per attempt actually sent)."""
+    def on_dispatch(self, worker_name: str, request: RouteRequest) -> Any:
+        """The request was sent to ``worker_name`` (call once per attempt actually sent);
+        returns a receipt for ``on_refused``."""
+
+    def on_refused(self, worker_name: str, request: RouteRequest, receipt: Any) -> None:
+        """The worker refused that attempt without working on it: forget what it taught."""
 
     def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:
         """That attempt produced its first token, or failed: its prefill is over either way."""
@@ -78,6 +82,9 @@ class _Stateless:
     )
 
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> None:
+        return None
+
+    def on_refused(self, worker_name: str, request: RouteRequest, receipt: Any) -> None:
         return None
 
     def on_prefill_done(self, worker_name: str, request: RouteRequest) -> None:

@@ -15,6 +15,7 @@ session than its cache hit on a shared preamble suggests (``kv_aware`` weighs it
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Any
 
 __all__ = ["SessionTable"]
 
@@ -73,6 +74,31 @@ class SessionTable:
                 del table[sid]
             else:
                 break
+
+    def before(self, session_id: str) -> tuple[Any, Any]:
+        """What ``undo`` needs to take back the ``put`` about to be made for this session."""
+        return self._table.get(session_id), self._active.get(session_id)
+
+    def undo(self, session_id: str, worker: str, before: tuple[Any, Any], now: float) -> None:
+        """Take back a turn that ``worker`` refused (``before`` from just before its ``put``):
+        the session is pinned where it was and the refused prompt leaves that worker's
+        commitment. A later turn that moved the session since is left alone."""
+        entry, active = before
+        table = self._table
+        cur = table.get(session_id)
+        if cur is None or cur[0] != worker:
+            return
+        if entry is None:
+            del table[session_id]
+        else:
+            table[session_id] = entry
+        old = self._active.pop(session_id, None)
+        if old is not None:
+            self._uncommit(old[0], old[2])
+        if active is not None and active[1] >= now - self.active_s:
+            # Its note is still queued (it is younger than active_s): it expires as before.
+            self._active[session_id] = active
+            self._committed[active[0]] = self._committed.get(active[0], 0) + active[2]
 
     def put_if_newer(self, session_id: str, worker: str, at: float, prompt_tokens: int = 0) -> bool:
         """Another replica's turn, dispatched at ``at`` (this clock, estimated): applied unless the

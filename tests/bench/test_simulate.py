@@ -20,7 +20,7 @@ from bench.simulate import (
     simulate_policy,
     split_policies,
 )
-from bench.traces import SyntheticSpec, Trace, synthetic
+from bench.traces import SyntheticSpec, Trace, TraceRequest, chain_keys, sort_requests, synthetic
 
 SPEC = SyntheticSpec(
     groups=4, users=2, system_tokens=512, question_tokens=64, output_tokens=8,
@@ -262,11 +262,9 @@ def test_cli_replica_model_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert e.value.code == 2
 
 
-def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() -> None:
-    """Longer than the worker's whole KV cache (200 x 16 tokens) or than max_model_len (4096):
-    vLLM answers 400; the replay counts them per reason and the other requests run as usual."""
-    from bench.traces import Trace, sort_requests
-
+def _with_refused() -> tuple[Trace, list[TraceRequest]]:
+    """SPEC's trace plus four requests longer than the worker's whole KV cache (200 x 16 tokens)
+    or than max_model_len (4096), which vLLM answers with a 400."""
     base = synthetic(SPEC).requests
     too_big = []
     for tokens, tag in ((3400, "kv"), (5000, "ctx")):
@@ -277,7 +275,12 @@ def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() ->
         for r in synthetic(spec).requests:
             r.request_id = f"{tag}-{r.request_id}"
             too_big.append(r)
-    trace = Trace(sort_requests(base + too_big), "test", "synthetic")
+    return Trace(sort_requests(base + too_big), "test", "synthetic"), too_big
+
+
+def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() -> None:
+    """The replay counts refusals per reason and the other requests run as usual."""
+    trace, _ = _with_refused()
     for share in (None, ShareModel.parse("all", 0.1)):
         out = simulate_policy(
             trace,
@@ -290,6 +293,17 @@ def test_requests_that_cannot_fit_are_refused_like_vllm_and_the_run_goes_on() ->
         assert out["failed"] == 4
         assert out["failed_by_reason"] == {"context_length": 2, "exceeds_kv_cache": 2}
         assert out["goodput"]["fraction"] <= 80 / 84
+
+
+def test_the_policy_forgets_the_requests_the_engine_refused() -> None:
+    trace, too_big = _with_refused()
+    router = kv_aware_router(trace)
+    result = ObservedFleet(FLEET.engines(), router).run(_arrivals(trace.requests, None))
+    assert sum(r.rejected is not None for r in result.results) == 4
+    index = router.policies[0].state.index
+    assert all(index.match(chain_keys(r)) == {} for r in too_big)
+    assert any(index.match(chain_keys(r)) for r in trace.requests if r not in too_big)
+    assert router.learned == {} and router.pending == {}
 
 
 def test_several_seeds_report_medians_and_the_spread(

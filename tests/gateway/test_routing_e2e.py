@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -185,3 +186,30 @@ async def test_canary_split_sends_its_share_to_the_labelled_pool(sims) -> None: 
         m[f'kvgate_time_to_first_token_seconds_count{{model="{MODEL}",pool="canary"}}']
         == counts["w3"]
     )
+
+
+async def test_a_prompt_the_worker_refuses_leaves_no_routing_state(sims) -> None:  # type: ignore[no-untyped-def]
+    # The worker answers a prompt over its context with vLLM's 400; the client gets it, and the
+    # policy learned nothing from the attempt: no index entries, no session pin, no commitment.
+    fleet = sims(2, "--max-model-len", "1024")
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(2)
+        state = g.gw.policy.state
+        assert state is not None
+        huge = chat(3, 0)  # ~6,000 characters of system prompt: ~1,500 tokens
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(
+                g.url + "/v1/chat/completions", json=huge, headers={"x-session-id": "s1"}
+            )
+        assert r.status_code == 400, r.text
+        assert "maximum context length" in r.json()["error"]["message"]
+        assert [state.index.size(f"w{i}") for i in range(2)] == [0, 0]
+        assert state.sessions.get("s1", time.monotonic()) is None
+        assert state.sessions.committed(time.monotonic()) == {}
+        small = {**huge, "messages": [{"role": "user", "content": "hello"}]}
+        async with httpx.AsyncClient(timeout=30) as c:
+            ok = await c.post(
+                g.url + "/v1/chat/completions", json=small, headers={"x-session-id": "s1"}
+            )
+        assert ok.status_code == 200
+        assert state.sessions.get("s1", time.monotonic()) == ok.headers["x-kvgate-worker"]

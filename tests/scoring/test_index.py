@@ -72,6 +72,22 @@ def test_a_chain_longer_than_capacity_keeps_its_head() -> None:
     assert idx.size("a") == 3 and idx.match(c) == {"a": 3}
 
 
+def test_unrecord_takes_back_what_a_refused_record_added_and_keeps_the_held_head() -> None:
+    idx = PrefixIndex(default_capacity=100)
+    shared = ids_chain(1, 2)
+    idx.record("a", shared)
+    idx.record("b", shared)
+    long = ids_chain(1, 2, 3, 4, 5)
+    held = idx.record("a", long)
+    assert held == 2 and idx.match(long) == {"a": 5, "b": 2} and idx.size("a") == 5
+    idx.unrecord("a", long, held)  # the worker refused it: only the new tail goes
+    assert idx.match(long) == {"a": 2, "b": 2} and idx.size("a") == 2
+    assert idx.fill["a"] == 2 / 100 and idx.holders(long[4]) == []
+    assert idx.record("a", long) == 2  # and it can be learned again
+    assert idx.record("c", []) == 0 and idx.record("c", long) == 0
+    idx.unrecord("never-seen", long, 0)  # a worker it knows nothing of: nothing to take back
+
+
 def test_capacity_per_worker_and_shrinking_evicts_at_once() -> None:
     idx = PrefixIndex(default_capacity=100, max_capacity=50)
     c = ids_chain(*range(80))

@@ -3,11 +3,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from collections import Counter
 
 import pytest
 
 from scoring.kv_aware import KVAware
+from scoring.learned import Journal
 from scoring.policy import (
     POLICY_NAMES,
     LeastLoaded,
@@ -501,3 +503,28 @@ def test_blind_policies_ignore_the_hooks() -> None:
         p.on_worker_removed("a")
         p.set_weights(Weights())
         assert p.choose(idle("a", "b"), RouteRequest("m")).scores == {}
+
+
+@pytest.mark.parametrize("name", ["kv_aware", "prefix", "session"])
+def test_a_dispatch_the_worker_refused_teaches_the_policy_nothing(name: str) -> None:
+    # A turn whose prompt the worker rejects (over the model's context, say) must not credit
+    # that worker with the prompt, pin the session there or reach the other replicas.
+    p = make_policy(name, rng=random.Random(0))
+    p.state.journal = journal = Journal()
+    turn1 = key(p, chat("turn 1"), session_id="s")
+    p.on_dispatch("a", turn1)
+    huge = key(p, chat("turn 1 " + "and a pasted log line " * 4000), session_id="s")
+    receipt = p.on_dispatch("b", huge)
+    if p.needs_chain:
+        assert p.state.index.match(huge.chain).get("b") == len(huge.chain)
+    p.on_refused("b", huge, receipt)
+    now = time.monotonic()
+    if p.needs_chain:
+        assert "b" not in p.state.index.match(huge.chain)
+        assert p.state.index.match(turn1.chain)["a"] == len(turn1.chain)
+    assert p.state.sessions.get("s", now) == "a"
+    assert [e.worker for e in journal.take(10)] == ["a"]
+    d = p.choose(idle("a", "b"), key(p, chat("turn 2"), session_id="s"))
+    assert d.worker.name == "a"
+    p.on_refused("a", turn1, None)  # no receipt (a stateless caller): nothing happens
+    assert p.state.sessions.get("s", now) == "a"

@@ -90,3 +90,27 @@ def test_remove_worker_drops_its_commitment() -> None:
     assert t.committed(1.0) == {"b": 3_000}
     t.put("s1", "b", 2.0, 11_000)  # the session comes back elsewhere: nothing to subtract
     assert t.committed(2.0) == {"b": 14_000}
+
+
+def test_undo_takes_back_a_refused_turn_pin_and_commitment() -> None:
+    t = SessionTable(active_s=60.0)
+    t.put("s1", "a", 0.0, 1_000)
+    before = t.before("s1")
+    t.put("s1", "b", 5.0, 90_000)  # a prompt worker b will refuse as too long
+    assert t.get("s1", 5.0) == "b" and t.committed(5.0) == {"b": 90_000}
+    t.undo("s1", "b", before, 5.1)
+    assert t.lookup("s1", 6.0) == ("a", 1_000) and t.committed(6.0) == {"a": 1_000}
+    assert t.committed(61.0) == {}  # the restored turn still expires on its own schedule
+    fresh = t.before("s2")  # a session's first turn, refused: it is not pinned anywhere
+    t.put("s2", "b", 70.0, 500)
+    t.undo("s2", "b", fresh, 70.1)
+    assert t.get("s2", 71.0) is None and t.committed(71.0) == {}
+
+
+def test_undo_leaves_a_later_turn_alone() -> None:
+    t = SessionTable()
+    before = t.before("s1")
+    t.put("s1", "b", 0.0, 5_000)
+    t.put("s1", "c", 1.0, 6_000)  # the next turn went elsewhere before the refusal came back
+    t.undo("s1", "b", before, 1.5)
+    assert t.lookup("s1", 2.0) == ("c", 6_000) and t.committed(2.0) == {"c": 6_000}
