@@ -44,6 +44,10 @@ class Learned(NamedTuple):
     done: bool = False
 
 
+# Newest journal entries a refused dispatch's note is looked for among (Journal.retract).
+RETRACT_SCAN = 256
+
+
 class Journal:
     """Dispatches not yet shipped to the other replicas, oldest first, at most ``max_size``."""
 
@@ -66,9 +70,11 @@ class Journal:
 
     def retract(self, entry: Learned) -> bool:
         """Drop a note not shipped yet (its dispatch was refused); False when already gone.
-        By identity, newest first: refusals come back within milliseconds of their note."""
+        By identity, among the newest ``RETRACT_SCAN`` only: refusals come back within
+        milliseconds of their note, and a journal backed up by a Redis outage must not make
+        each refusal scan all of it."""
         q = self._q
-        for i in range(len(q) - 1, -1, -1):
+        for i in range(len(q) - 1, max(-1, len(q) - 1 - RETRACT_SCAN), -1):
             if q[i] is entry:
                 del q[i]
                 return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from scoring.learned import Journal, Learned, apply_learned
+from scoring.learned import RETRACT_SCAN, Journal, Learned, apply_learned
 from scoring.policy import make_policy
 from scoring.route_key import route_request
 from scoring.session import SessionTable
@@ -158,3 +158,17 @@ def test_kv_event_mode_peers_learn_pending_dispatches_until_their_prefill_ends()
     apply_learned(sb, sa.journal.take(10), known=set(WORKERS))
     clock[0] += 1.5  # past settle_s, and no event stored the blocks: gone at both
     assert sa.precise.match(blocks, clock[0]) == sb.precise.match(blocks, clock[0]) == {}
+
+
+def test_a_refused_dispatch_s_note_is_retracted_unless_shipped_or_buried() -> None:
+    j = Journal()
+    first = Learned("w0", (), 0, (), None, 0, 0.0)
+    j.note(first)
+    twin = Learned("w0", (), 0, (), None, 0, 0.0)  # equal, but another dispatch's note
+    j.note(twin)
+    assert j.retract(first) and [e is twin for e in j.take(10)] == [True]
+    assert not j.retract(twin)  # shipped already: the other replicas keep it
+    j.note(first)
+    for i in range(RETRACT_SCAN):
+        j.note(Learned(f"w{i}", (), 0, (), None, 0, 1.0))
+    assert not j.retract(first) and len(j) == RETRACT_SCAN + 1  # too deep to look for
