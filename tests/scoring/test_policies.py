@@ -528,3 +528,24 @@ def test_a_dispatch_the_worker_refused_teaches_the_policy_nothing(name: str) -> 
     assert d.worker.name == "a"
     p.on_refused("a", turn1, None)  # no receipt (a stateless caller): nothing happens
     assert p.state.sessions.get("s", now) == "a"
+
+
+def test_a_holder_with_a_long_queue_of_cheap_turns_keeps_the_next_one() -> None:
+    # An agent's parallel calls queue on the worker holding its context; each is mostly a cache
+    # hit, so the queue's prefill is short against what moving (re-prefilling ~10k tokens on a
+    # cold worker) would cost. Only a queue whose prefill outweighs the hit sends it elsewhere.
+    p = make_policy("kv_aware", rng=random.Random(0))
+    body = chat("next tool call", system=SYSTEM * 10)  # ~10k tokens
+    warm(p, "a", body)
+
+    def queued(prefill_tokens: int) -> list[WorkerView]:
+        a = WorkerView(
+            "a", in_flight=12, running=2, waiting=10, in_flight_at_scrape=12,
+            prefill_tokens=prefill_tokens,
+        )  # fmt: skip
+        return [a, *idle("b", "c")]
+
+    stay = p.choose(queued(3_000), key(p, body))
+    assert stay.worker.name == "a" and stay.reason == "affinity"
+    moved = p.choose(queued(100_000), key(p, body))
+    assert moved.worker.name != "a" and moved.reason == "load_fallback"
