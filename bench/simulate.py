@@ -304,8 +304,8 @@ class PolicyRouter:
         self.running: dict[str, tuple[int, int]] = {}  # id -> (replica, worker) until done
         self.reasons: Counter[str] = Counter()
         self.engines: Sequence[Engine] = ()
-        self.routes: dict[str, RouteRequest] = {}  # precise: until the first token
-        # id -> (route, on_dispatch's receipt) until the first token: a refusal takes it back
+        # id -> (route, on_dispatch's receipt) until the first token: a refusal takes it back,
+        # and the precise index hears of the prefill's end with the route
         self.learned: dict[str, tuple[RouteRequest, Any]] = {}
         self.block_size = 16
         # Token mode's keyer (precise runs): requests arrive with token-id prompts, so it
@@ -405,14 +405,12 @@ class PolicyRouter:
         self.learned[rid] = (route, receipt)
         if self.track_done:
             self.running[rid] = (r, w)
-        if self.precise is not None:
-            self.routes[rid] = route
         return w
 
     def first_token(self, request_id: str, now: float | None = None) -> None:
         r, w, tokens = self.pending.pop(request_id)
-        self.learned.pop(request_id, None)
-        route = self.routes.pop(request_id, None)
+        sent = self.learned.pop(request_id)[0]
+        route = sent if self.precise is not None else None  # the replicas' model reads it then
         self.sync.prefill_done(r, self.now if now is None else now, w, tokens, route)
         self.awaiting[w] -= 1
         if route is not None:

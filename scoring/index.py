@@ -202,8 +202,7 @@ class PrefixIndex:
             else:
                 holders.pop(h, None)
         self._used[slot] = used
-        cap = self.capacity(worker)
-        self.fill[worker] = used / cap if cap else 0.0
+        self._evict_to(slot, self.capacity(worker))  # nothing to evict: it restates the fill
 
     def _evict_to(self, slot: int, cap: int) -> None:
         lru = self._lru[slot]

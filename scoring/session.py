@@ -98,7 +98,7 @@ class SessionTable:
         if active is not None and active[1] >= now - self.active_s:
             # Its note is still queued (it is younger than active_s): it expires as before.
             self._active[session_id] = active
-            self._committed[active[0]] = self._committed.get(active[0], 0) + active[2]
+            self._add_commit(active[0], active[2])
 
     def put_if_newer(self, session_id: str, worker: str, at: float, prompt_tokens: int = 0) -> bool:
         """Another replica's turn, dispatched at ``at`` (this clock, estimated): applied unless the
@@ -129,12 +129,11 @@ class SessionTable:
         return self._committed
 
     def _commit(self, session_id: str, worker: str, now: float, tokens: int) -> None:
-        committed = self._committed
         old = self._active.get(session_id)
         if old is not None:
             self._uncommit(old[0], old[2])
         self._active[session_id] = (worker, now, tokens)
-        committed[worker] = committed.get(worker, 0) + tokens
+        self._add_commit(worker, tokens)
         self._noted.append((now, session_id))
         self._expire(now)
 
@@ -147,6 +146,9 @@ class SessionTable:
             if e is not None and e[1] == at:  # else a later turn replaced it
                 del active[sid]
                 self._uncommit(e[0], e[2])
+
+    def _add_commit(self, worker: str, tokens: int) -> None:
+        self._committed[worker] = self._committed.get(worker, 0) + tokens
 
     def _uncommit(self, worker: str, tokens: int) -> None:
         """Take a turn's tokens off; a worker left with none is dropped, so a fleet whose
