@@ -95,6 +95,7 @@ class RelayResponse(Response):
         self._strip = not call.client_wants_usage
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
+        self._head = b""  # the response head, held back to go out with the first events
         self._ended = False  # the client has its whole response (the final chunk is out)
         self._waiting = _AwaitingWorker(self)
 
@@ -134,7 +135,8 @@ class RelayResponse(Response):
                     call.outcome = "gateway_shutdown"
                     self._life.metrics.stream_errors.labels("gateway_shutdown").inc()
                     with contextlib.suppress(OSError):
-                        await self._send(send, sse_error_event(self.cut, "server_error", 503))
+                        err = sse_error_event(self.cut, "server_error", 503)
+                        await self._send(send, self._take_out() + err)
                         await self._end(send)
             elif not gone:
                 raise
@@ -200,20 +202,28 @@ class RelayResponse(Response):
         and an ASGI message per chunk: most of the relay's cost per SSE event.
         """
         call = self._call
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        splice = getattr(self._resp, "splice", None)
+        if splice is not None and _can_hold_head(send):
+            head = await _held_head(send, start)
+            self._cycle = _direct_cycle(send)
+            if self._cycle is None:  # not a stream we may write ourselves: the head goes now
+                send.__self__.transport.write(head)  # type: ignore[attr-defined]
+            else:
+                self._head = head
+        else:
+            await send(start)
+        if self._cycle is None:
+            splice = None
         m = self._life.metrics
         self._inter = m.batched(m.inter_event, call.model)
         self._last_chunk = time.perf_counter()
-        splice = getattr(self._resp, "splice", None)
-        if splice is not None:
-            self._cycle = _direct_cycle(send)
-            if self._cycle is None:
-                splice = None
         try:
             self._feed(self._first)
             ended = False
             while True:
-                if self._out:
+                # The events that came with [DONE] wait for it: one write after the settlement.
+                if self._out and not self._done:
                     await self._flush(send)
                 if self._done or ended:
                     break
@@ -258,7 +268,7 @@ class RelayResponse(Response):
         # (else a false 429 at max_concurrent).
         await self._settle_before_done()
         call.outcome = "ok"
-        await self._end(send, _DONE)
+        await self._end(send, self._take_out() + _DONE)
         await self._drain_upstream(ended)
 
     async def _drain_upstream(self, ended: bool) -> None:
@@ -304,9 +314,17 @@ class RelayResponse(Response):
         """The splice's sink, called from the upstream connection's ``data_received``: scan,
         write to the client if it can take it, and say whether the task may keep sleeping."""
         self._took(chunk)
+        if self._done:
+            return False  # the task settles, then writes these events with [DONE]
         if self._out and not self._write_now():
             return False
-        return not self._done and self._last_chunk <= self._deadline
+        return self._last_chunk <= self._deadline
+
+    def _take_out(self) -> bytes:
+        out = self._out
+        body = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        return body
 
     def _write_now(self) -> bool:
         """Write the backlog as one chunk straight to the client's transport, as uvicorn's send
@@ -314,22 +332,28 @@ class RelayResponse(Response):
         cy = self._cycle
         if cy.flow.write_paused or cy.disconnected:
             return False
-        out = self._out
-        body = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        cy.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        body = self._take_out()
+        if self._head:
+            head, self._head = self._head, b""
+            cy.transport.write(b"%b%x\r\n%b\r\n" % (head, len(body), body))
+        else:
+            cy.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
     async def _flush(self, send: Send) -> None:
         if self._cycle is not None and self._write_now():
             return
-        out = self._out
-        body = out[0] if len(out) == 1 else b"".join(out)
-        out.clear()
-        await self._send(send, body)
+        await self._send(send, self._take_out())
+
+    def _write_head(self) -> None:
+        """The held response head goes out before anything sent through ``send``."""
+        if self._head:
+            head, self._head = self._head, b""
+            self._cycle.transport.write(head)
 
     async def _end(self, send: Send, body: bytes = b"") -> None:
         """The response's last chunk (with the terminator in the same write)."""
+        self._write_head()
         self._sending = time.perf_counter()
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._sending = 0.0
@@ -341,6 +365,7 @@ class RelayResponse(Response):
         upstream stream past the total deadline or ``client_stall_s``. A timer per stream
         instead of a timeout per send: the relay sends once per SSE read (measured with
         bench/overhead.py: a timeout context per send cost 10% of relay capacity)."""
+        self._write_head()
         self._sending = time.perf_counter()
         await send({"type": "http.response.body", "body": body, "more_body": True})
         self._sending = 0.0
@@ -430,6 +455,44 @@ def reader(resp: UpstreamResponse) -> Callable[[], Awaitable[bytes]]:
         return nxt  # type: ignore[no-any-return]
     it = resp.chunks()
     return lambda: anext(it, b"")
+
+
+def _can_hold_head(send: Send) -> bool:
+    """uvicorn's cycle behind ``send`` writes the head at once and without waiting (not
+    started, not paused): `_held_head` may catch it."""
+    cy = getattr(send, "__self__", None)
+    return (
+        getattr(cy, "response_started", True) is False
+        and getattr(cy, "disconnected", True) is False
+        and getattr(getattr(cy, "flow", None), "write_paused", True) is False
+        and getattr(cy, "transport", None) is not None
+    )
+
+
+class _HeldWrite:
+    """Stands in for the client's transport while uvicorn writes the response head."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+async def _held_head(send: Send, start: Any) -> bytes:
+    """The head uvicorn would write for ``start``, caught instead of written: it goes out in one
+    write with the first events (`_write_now`), one syscall per response fewer. uvicorn still
+    renders it (default headers, validation) and marks the response started."""
+    cy: Any = getattr(send, "__self__")  # noqa: B009 (checked by _can_hold_head)
+    real, held = cy.transport, _HeldWrite()
+    cy.transport = held
+    try:
+        await send(start)
+    finally:
+        cy.transport = real
+    return held.data
 
 
 def _direct_cycle(send: Send) -> Any:

@@ -70,6 +70,10 @@ class _Conn(asyncio.Protocol):
         # The relay's splice (`_Response.splice`): body chunks go to it from `data_received`; it
         # returns False when it wants its task woken (see `RelayResponse._on_chunk`).
         self.sink: Callable[[bytes], bool] | None = None
+        # The body chunks of one socket read, handed to the sink as one piece: a worker's read
+        # often carries several HTTP chunks (an SSE event each), and one piece means one write
+        # to the client instead of one per event (5 -> 1 syscalls per read, measured with strace).
+        self.batch: list[bytes] = []
 
     def begin(self, loop: asyncio.AbstractEventLoop) -> None:
         self._reset()
@@ -84,8 +88,12 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
+            self._to_sink()
             self._fail(f"malformed response from worker: {e}")
             self.close()
+            return
+        if self.batch:
+            self._to_sink()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -104,11 +112,8 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        sink = self.sink
-        if sink is not None:
-            self.pulled += len(body)
-            if not sink(body):
-                self._wake()
+        if self.sink is not None:
+            self.batch.append(body)  # to the sink once the read is parsed (`_to_sink`)
             return
         self.body.append(body)
         self.buffered += len(body)
@@ -124,6 +129,17 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # -- plumbing ------------------------------------------------------------------------------
+    def _to_sink(self) -> None:
+        batch = self.batch
+        if not batch:
+            return
+        body = batch[0] if len(batch) == 1 else b"".join(batch)
+        batch.clear()
+        self.pulled += len(body)
+        sink = self.sink
+        if sink is not None and not sink(body):
+            self._wake()
+
     def _wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():

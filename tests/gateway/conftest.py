@@ -192,7 +192,9 @@ def scripted_fragments() -> list[bytes]:
     return out
 
 
-def scripted_app(received: list[bytes]) -> Any:
+def scripted_app(received: list[bytes], burst: bool = False) -> Any:
+    """The scripted worker's app: ``scripted_fragments`` 1 ms apart, or with ``burst`` the first
+    event alone and then the others in one go (one HTTP chunk each, in the same socket read)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -208,6 +210,12 @@ def scripted_app(received: list[bytes]) -> Any:
         received.append(await request.body())
 
         async def gen() -> AsyncIterator[bytes]:
+            if burst:
+                yield SCRIPTED_EVENTS[0]
+                await asyncio.sleep(0.02)
+                for event in SCRIPTED_EVENTS[1:]:
+                    yield event
+                return
             for frag in scripted_fragments():
                 yield frag
                 await asyncio.sleep(0.001)
@@ -224,12 +232,14 @@ def scripted_app(received: list[bytes]) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def run_scripted_worker() -> AsyncIterator[tuple[str, list[bytes]]]:
+async def run_scripted_worker(burst: bool = False) -> AsyncIterator[tuple[str, list[bytes]]]:
     received: list[bytes] = []
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
-        uvicorn.Config(scripted_app(received), log_config=None, access_log=False, lifespan="off")
+        uvicorn.Config(
+            scripted_app(received, burst), log_config=None, access_log=False, lifespan="off"
+        )
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:  # noqa: ASYNC110 (uvicorn exposes a flag, not an event)

@@ -9,6 +9,7 @@ import openai
 import orjson
 import pytest
 
+from gateway.server import GuardedHttpProtocol
 from tests.gateway.conftest import (
     MODEL,
     SCRIPTED_EVENTS,
@@ -100,6 +101,49 @@ async def test_sse_bytes_are_the_workers_bytes_across_odd_chunk_boundaries() -> 
     assert via.headers["x-request-id"] == "same-id"
     assert via.content == b"".join(SCRIPTED_EVENTS)
     assert orjson.loads(received[0]) == body  # asked for usage: forwarded untouched
+
+
+class _CountedWrites:
+    """A client connection's transport that keeps what each ``write`` carried."""
+
+    def __init__(self, transport: asyncio.Transport, writes: list[bytes]) -> None:
+        self._t = transport
+        self._writes = writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._t.write(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._t, name)
+
+
+async def test_a_stream_reaches_the_client_in_one_write_per_worker_read(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The head goes out with the first events, a read's several HTTP chunks as one, and the
+    events that came with [DONE] with it and the terminator: two writes for a worker that sent
+    its first event and then the rest at once (six, one per event, before)."""
+    writes: list[bytes] = []
+    made = GuardedHttpProtocol.connection_made
+
+    def counted(self: GuardedHttpProtocol, transport: asyncio.Transport) -> None:
+        made(self, _CountedWrites(transport, writes))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GuardedHttpProtocol, "connection_made", counted)
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with (
+        run_scripted_worker(burst=True) as (url, _),
+        run_gateway(settings_for([url])) as g,
+    ):
+        await g.wait_healthy(1)
+        writes.clear()
+        via = await post(g.url + "/v1/chat/completions", body)
+    assert via.content == b"".join(SCRIPTED_EVENTS)
+    assert len(writes) == 2, writes
+    assert writes[0].startswith(b"HTTP/1.1 200 ") and writes[0].endswith(
+        SCRIPTED_EVENTS[0] + b"\r\n"
+    )
+    assert writes[1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert writes[1].count(b"\n\ndata: ") == len(SCRIPTED_EVENTS) - 2
 
 
 async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_ask() -> None:
