@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hashlib
 import os
 import secrets
@@ -81,6 +82,13 @@ def run_async(coro) -> None:  # type: ignore[no-untyped-def]
         factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         factory = None
+    # A request allocates thousands of containers, so at the default threshold (700) the young
+    # generation was collected several times per request, each time scanning the objects of
+    # every request in flight. Every 50,000 allocations, with the startup objects frozen out of
+    # every collection: 3-4% less router CPU per request (bench overhead, c=16, 4 interleaved
+    # rounds: median 0.84 -> 0.81 ms); garbage cycles still go within a fraction of a second.
+    gc.freeze()
+    gc.set_threshold(50_000, 10, 10)
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(coro)
 
