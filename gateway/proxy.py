@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from gateway.call import USAGE_MARK, Call, Usage
 from gateway.config import Settings, TimeoutSettings
+from gateway.deadlines import Deadlines
 from gateway.errors import APIError, no_capacity
 from gateway.ids import echo_headers
 from gateway.lifecycle import Lifecycle
@@ -58,6 +59,7 @@ class Proxy:
         self.metrics = metrics
         self.slots = slots
         self.life = life
+        self.deadlines = Deadlines()  # the worker's head and first event: no timer per wait
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call, settings: Settings, policy: Policy) -> Response:
@@ -180,7 +182,7 @@ class Proxy:
         if timeout <= 0:
             raise TimeoutError
         call.upstream_sent = True
-        async with asyncio.timeout(timeout):
+        with self.deadlines.within(timeout):
             return await self.client.post(worker.url + call.path, call.body, headers)
 
     async def _first_chunk(
@@ -189,7 +191,7 @@ class Proxy:
         """The first body bytes, and how to read the next ones (b"" at the end)."""
         nxt = reader(resp)
         try:
-            async with asyncio.timeout(max(timeout, 0.0)):
+            with self.deadlines.within(timeout):
                 first = await nxt()
         except BaseException:
             await resp.abort()
@@ -209,7 +211,7 @@ class Proxy:
         deadline: float,
     ) -> Response:
         try:
-            async with asyncio.timeout(max(0.0, deadline - _now())):
+            with self.deadlines.within(deadline - _now()):
                 body = await resp.read()
         except BaseException:
             await resp.abort()

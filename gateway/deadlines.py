@@ -1,0 +1,85 @@
+"""Bounded waits on the hot path with one timer for all of them.
+
+``asyncio.timeout`` arms a loop timer (a libuv timer under uvloop) and builds a ``Timeout`` per
+wait; a streaming request made two (the worker's response head, then its first event), ~3% of
+the gateway's core under the bench overhead ladder. Here a wait puts its deadline in a dict, and
+one timer, ticking every ``tick_s`` while any wait is live, cancels the tasks whose deadline has
+passed. A wait can end up to one tick late; the bounds it serves are seconds (`first_byte_s`,
+`total_s`), the tick 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+
+__all__ = ["Deadlines"]
+
+
+class Deadlines:
+    """``with deadlines.within(s):`` is ``async with asyncio.timeout(s):`` for one task's await:
+    TimeoutError when the block is still waiting ``s`` seconds later (a tick later at most)."""
+
+    def __init__(self, tick_s: float = 0.02) -> None:
+        self.tick_s = tick_s
+        self._live: dict[_Wait, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def within(self, seconds: float) -> _Wait:
+        return _Wait(self, seconds)
+
+    def __len__(self) -> int:
+        """Waits in progress."""
+        return len(self._live)
+
+    def _add(self, wait: _Wait, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._live[wait] = loop.time() + seconds
+        if self._timer is None:
+            self._timer = loop.call_later(self.tick_s, self._sweep, loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        now = loop.time()
+        live = self._live
+        for wait in [w for w, at in live.items() if at <= now]:
+            del live[wait]
+            wait.expire()
+        if live:
+            self._timer = loop.call_later(self.tick_s, self._sweep, loop)
+
+
+class _Wait:
+    __slots__ = ("_cancelling", "_owner", "_seconds", "_task", "expired")
+
+    def __init__(self, owner: Deadlines, seconds: float) -> None:
+        self._owner = owner
+        self._seconds = max(0.0, seconds)
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self.expired = False
+
+    def __enter__(self) -> _Wait:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Deadlines.within() must be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._owner._add(self, self._seconds)
+        return self
+
+    def expire(self) -> None:
+        self.expired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._owner._live.pop(self, None)
+        # As asyncio.timeout: our cancel is taken back; it becomes TimeoutError unless another
+        # cancel (the client left, shutdown) is also pending, which stays a CancelledError.
+        if self.expired:
+            assert self._task is not None
+            if self._task.uncancel() <= self._cancelling and et is asyncio.CancelledError:
+                raise TimeoutError from e
