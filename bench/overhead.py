@@ -1011,6 +1011,8 @@ def run_ladder_target(
         prog.remove_task(watch.task)
         row = summarize(samples, c, args.seconds)
         row["router_cpu"] = watch.share()
+        if row["rps"] and row["router_cpu"] is not None:
+            row["router_cpu_ms_per_request"] = round(row["router_cpu"] / row["rps"] * 1000, 4)
         if failures:
             row["loadgen_failures"] = failures
         t.levels.append(row)
@@ -1048,7 +1050,15 @@ LADDER_COLUMNS: tuple[tuple[str, bool, LevelCell], ...] = (
     ("e2e\np99 ms", False, lambda r: _ms(r["e2e_ms"]["p99"])),
     ("errors", False, lambda r: str(r["errors"])),
     ("router\nCPU", False, lambda r: _pct(r.get("router_cpu"))),
+    ("CPU ms\n/req", False, lambda r: _cpu_ms(r)),
 )
+
+
+def _cpu_ms(row: dict[str, Any]) -> str:
+    """The router's CPU time per completed request: what one core of routing costs, whether or
+    not the router is the bottleneck (on 2 cores the fleet is, and req/s says little)."""
+    cpu, rps = row.get("router_cpu"), row.get("rps")
+    return f"{cpu / rps * 1000:.3f}" if cpu is not None and rps else "-"
 
 
 def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
@@ -1065,7 +1075,7 @@ def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
         caption=f"{report['layout_describe']}. Each level {s['seconds']:g} s after "
         f"{s['warmup_s']:g} s warm-up; unique ~{s['prompt_chars']}-char prompts, max_tokens "
         f"{s['max_tokens']}; TTFB = first SSE event; router CPU = its core's busy share "
-        "(direct: the worker's)",
+        "(direct: the worker's), CPU ms/req = that per completed request",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,

@@ -245,7 +245,7 @@ def _render(table: Any, width: int = 100) -> str:
 def test_ladder_table_fits_100_columns_with_every_digit() -> None:
     out = _render(ladder_table(REPORT))
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 100
-    for n in ("12345.7", "1234.6", "34567.9", "4567.9", "67890.1", "12345", "99%", "1024"):
+    for n in ("12345.7", "1234.6", "34567.9", "4567.9", "67890.1", "12345", "99%", "1024", "0.080"):
         assert re.search(rf"(?<![\d.]){re.escape(n)}(?![\d.])", out), n
     assert "sglang-router 0.3.2" in out and "vllm-router 0.1.17" in out
     assert "23456.8" not in out  # p90: --wide only
@@ -290,4 +290,7 @@ def test_a_tiny_ladder_writes_the_json_and_the_plot(tmp_path: Path) -> None:
             assert set(r["ttfb_ms"]) == set(r["e2e_ms"]) == {"p50", "p90", "p99", "max"}
             assert r["completed"] > 0 and r["rps"] > 0 and r["errors"] == 0
             assert r["ttfb_ms"]["p50"] <= r["ttfb_ms"]["p99"] <= r["e2e_ms"]["p99"]
+            assert r["router_cpu_ms_per_request"] == pytest.approx(
+                r["router_cpu"] / r["rps"] * 1000, rel=1e-3
+            )
     assert out_png.stat().st_size > 0
