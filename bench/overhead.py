@@ -6,6 +6,7 @@ against the peer routers and one worker direct on a closed-loop concurrency ladd
     .venv/bin/kvgate bench overhead --ladder     # kvgate + direct, ~2 min on 2 cores
     .venv/bin/kvgate bench overhead --peers smg,sglang-router,vllm-router   # + the peers
     .venv/bin/kvgate bench overhead --processes 1,4   # kvgate as 1 and as 4 processes
+    .venv/bin/kvgate bench overhead --flame bench/out/kvgate.svg   # + py-spy's flame graph at c=64
 
 Classic (the default): one simulated worker with the `instant` timing profile (so the worker's
 own time is ~0 and what remains is HTTP + relay), the gateway as a separate process pinned to one
@@ -80,6 +81,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.flame import FlameRecorder
 from bench.metrics import dist, nearest_rank
 from bench.paths import out_path, shown
 from bench.peers import HOST, Proc, free_ports, start, wait_for, warm
@@ -845,9 +847,10 @@ class LadderTarget:
     reason: str = ""
     levels: list[dict[str, Any]] = field(default_factory=list)
     processes: int = 1  # kvgate: `kvgate serve --processes`
+    flame: dict[str, Any] | None = None  # `--flame`: what py-spy recorded (bench.flame)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "kind": self.kind,
             "version": self.version,
@@ -856,6 +859,9 @@ class LadderTarget:
             "levels": self.levels,
             "processes": self.processes,
         }
+        if self.flame is not None:
+            out["flame"] = self.flame
+        return out
 
 
 def parse_processes(text: str | None) -> list[int]:
@@ -899,6 +905,13 @@ def kvgate_default_toml(
     for i, u in enumerate(urls):
         lines += ["[[workers]]", f'name = "w{i}"', f'url = "{u}"']
     return "\n".join(lines) + "\n"
+
+
+def flame_level(levels: list[int], wanted: int | None) -> int:
+    """The level `--flame` profiles: `--flame-at`, else 64 in flight when run, else the top."""
+    if wanted is not None:
+        return wanted
+    return 64 if 64 in levels else max(levels)
 
 
 def kvgate_target_name(processes: int) -> str:
@@ -995,6 +1008,7 @@ def run_ladder_target(
     con: Console,
 ) -> None:
     """Every level against one started target; per level a line, and the router's CPU use."""
+    flame_at = flame_level(levels, args.flame_at)
     for c in levels:
         watch = LevelWatch(pid, args.warmup, args.seconds, prog, f"{t.name} c={c}")
         shot = Shot(
@@ -1007,7 +1021,12 @@ def run_ladder_target(
             max_tokens=args.max_tokens,
             prompt_chars=args.prompt_chars,
         )
+        flame = None
+        if args.flame is not None and t.kind == "kvgate" and t.processes == 1 and c == flame_at:
+            flame = FlameRecorder(pid, args.flame, args.warmup, args.seconds)
         samples, failures = gens.run(shot, watch)
+        if flame is not None:
+            t.flame = {"level": c, **flame.finish()}
         prog.remove_task(watch.task)
         row = summarize(samples, c, args.seconds)
         row["router_cpu"] = watch.share()
@@ -1036,6 +1055,29 @@ def _pct(v: float | None) -> str:
 
 
 # -- report ------------------------------------------------------------------------------------
+
+
+def print_flame(con: Console, name: str, flame: dict[str, Any]) -> None:
+    """Where the router's time went in the profiled level (py-spy's samples), or why nothing."""
+    from bench.simulate import print_table
+
+    if "error" in flame:
+        con.print(f"flame graph of {name}: not recorded: {flame['error']}", markup=False)
+        return
+    t = Table(
+        title=f"{name} at c={flame['level']}: top frames by own samples ({flame['samples']})",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    t.add_column("self", justify="right")
+    t.add_column("incl.", justify="right")
+    t.add_column("frame", overflow="fold")
+    for row in flame["top"]:
+        t.add_row(f"{row['self']:.1%}", f"{row['inclusive']:.1%}", row["frame"])
+    print_table(con, t)
+    con.print(f"flame graph: {shown(Path(flame['svg']))}", markup=False, highlight=False)
+
 
 LevelCell = Callable[[dict[str, Any]], str]
 # (header, wide only, cell): the default set fits 100 columns; --wide adds the p90s.
@@ -1297,6 +1339,8 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
     for t in targets:
         if t.status != "ok":
             con.print(f"not measured: {t.name}: {t.status}: {t.reason}", markup=False)
+        if t.flame is not None:
+            print_flame(con, t.name, t.flame)
     con.print(
         f"wrote {shown(json_path)}, {shown(png)} in {report['wall_s']:.0f} s",
         markup=False,
@@ -1378,6 +1422,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.add_argument("--wide", action="store_true", help="every column (p90s too)")
     g.add_argument(
+        "--flame",
+        type=Path,
+        default=None,
+        metavar="SVG",
+        help="record kvgate's flame graph with py-spy over one level's measured window (its "
+        "collapsed stacks beside it as .txt, its top frames in the JSON and a table)",
+    )
+    g.add_argument(
+        "--flame-at",
+        type=int,
+        default=None,
+        metavar="C",
+        help="the level --flame records (default: 64 in flight, else the highest level)",
+    )
+    g.add_argument(
         "--processes",
         default=None,
         help="kvgate targets by process count, comma-separated, e.g. 1,4: `kvgate x4` runs "
@@ -1391,6 +1450,10 @@ def main(argv: list[str] | None = None) -> int:
             parse_processes(args.processes)
         except ValueError as e:
             ap.error(str(e))
+    if args.flame_at is not None and args.flame is None:
+        ap.error("--flame-at needs --flame")
+    if args.flame is not None:
+        args.ladder = True
     if args.ladder or args.peers.strip() not in ("", "none") or args.processes is not None:
         return ladder(args, con)
     return classic(args, con)
