@@ -144,7 +144,7 @@ class QuotaGate:
                 self.breaker.record_success(time.monotonic())
             except QuotaStoreUnavailable as e:
                 self.breaker.record_failure(time.monotonic())
-                log.warning("quota store unavailable: %s", e)
+                log.warning("quota store unavailable: %s", str(e))  # text: see RelayResponse
                 # The script may have run with its reply lost (a timeout, Redis killed after
                 # the write): a full refund for this id, replayed later, frees what it may hold
                 # and is a no-op on a store that never saw it.

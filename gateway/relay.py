@@ -250,7 +250,14 @@ class RelayResponse(Response):
             call.outcome = reason
             self._life.metrics.stream_errors.labels(reason).inc()
             log.warning(
-                "request %s on %s: %s (%s)", call.request_id, call.worker, reason, e or type(e)
+                # The text, not the exception: a record that keeps an exception keeps its
+                # traceback, and with it this request's frames, body and relay, for as long as
+                # any handler holds the record (the writer's queue, a test's log capture).
+                "request %s on %s: %s (%s)",
+                call.request_id,
+                call.worker,
+                reason,
+                str(e) or type(e).__name__,
             )
             if self._out:  # complete events the client had no room for yet
                 await self._flush(send)

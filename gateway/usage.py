@@ -57,7 +57,7 @@ class JsonlSink:
             # One small unbuffered append: atomic for lines under PIPE_BUF on local filesystems.
             self._f.write(orjson.dumps(record) + b"\n")
         except OSError as e:
-            log.warning("usage record dropped: %s", e)
+            log.warning("usage record dropped: %s", str(e))
 
     async def close(self) -> None:
         self._f.close()
@@ -100,7 +100,7 @@ class RedisStreamSink:
         try:
             await self.client.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
         except Exception as e:  # any Redis failure: buffer, never fail the request
-            log.warning("usage stream unreachable, buffering records until it answers: %s", e)
+            log.warning("usage stream unreachable, buffering records until it answers: %s", str(e))
             self._hold(fields)
 
     def _hold(self, fields: dict[str, str]) -> None:

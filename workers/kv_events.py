@@ -247,7 +247,7 @@ class KVEventSubscriber:
             except zmq.ZMQError as e:
                 if sub.closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
                     return
-                log.warning("kv events %s: receive failed: %s", self.worker, e)
+                log.warning("kv events %s: receive failed: %s", self.worker, str(e))
                 await asyncio.sleep(0.1)
                 continue
             except Exception:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import time
 from collections import Counter
@@ -113,3 +114,36 @@ async def test_load_through_a_flapping_stalling_failing_fleet() -> None:
                 retried = sum(v for k, v in m.items() if k.startswith("kvgate_retries_total"))
                 assert retried >= 1, outcomes  # the failing worker's 500s went to another worker
                 heap.assert_near_baseline(HEAP_LIMIT)
+
+
+async def test_a_broken_stream_is_not_kept_alive_by_its_log_line(caplog) -> None:  # type: ignore[no-untyped-def]
+    """The warning for a stream that broke off names the error as text: a record holding the
+    exception would hold its traceback and, through it, the request's frames, body and relay
+    for as long as any handler keeps the record (the writer's queue under a stuck log sink,
+    here pytest's capture). Before: every idle-timed-out stream stayed in memory."""
+    from gateway.relay import RelayResponse
+
+    async with run_sim_workers(1, profile="fast") as fleet:
+        s = fault_settings(list(fleet))
+        s = s.model_copy(
+            update={"timeouts": s.timeouts.model_copy(update={"idle_s": 0.3, "first_byte_s": 5})}
+        )
+        async with run_gateway(s) as running:
+            deadline = time.monotonic() + 10
+            while not running.gw.registry.healthy():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            fleet.workers[0].faults.update({"stall_after_tokens": 3})
+            with caplog.at_level("WARNING", logger="kvgate.proxy"):
+                async with httpx.AsyncClient(timeout=30) as c:
+                    got = [await _one(c, running.url, i) for i in (1, 2, 4)]
+            fleet.workers[0].faults.reset()
+            assert got == [(200, "error_then_done")] * 3, got
+            idle = [r for r in caplog.records if "idle_timeout" in r.getMessage()]
+            assert len(idle) == 3 and all(
+                not isinstance(a, BaseException) for r in idle for a in (r.args or ())
+            )
+            await asyncio.sleep(0.05)  # the relays' own cleanup
+            gc.collect()
+            alive = [o for o in gc.get_objects() if isinstance(o, RelayResponse)]
+            assert alive == [], f"{len(alive)} relays still referenced"
