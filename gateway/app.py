@@ -61,7 +61,7 @@ from gateway.slots import Slots, canary_pool
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
-from gateway.validate import CHAT, parse_request, read_body
+from gateway.validate import CHAT, parse_request, read_body, request_headers
 from scoring.policy import Policy, make_policy
 from scoring.state import RoutingState
 from scoring.views import RoutingOptions
@@ -401,7 +401,8 @@ class Gateway:
         # logs, the worker's x-request-id): clients reuse and collide ids, and billing dedupes
         # on this one. The client's id is kept beside it, echoed and forwarded as a label.
         rid = next_request_id()
-        client_rid = request.headers.get("x-request-id") or None
+        hdrs = request_headers(request.scope)
+        client_rid = hdrs.get("x-request-id") or None
         if client_rid is not None and not _RID_OK.match(client_rid):
             client_rid = None
         echo = echo_headers(rid, client_rid)
@@ -420,9 +421,12 @@ class Gateway:
                     code="shutting_down",
                     retry_after_s=1.0,
                 )
-            tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            tenant = self.tenants.authenticate(hdrs.get("authorization"))
             raw = await read_body(
-                request, settings.server.max_body_bytes, settings.timeouts.client_body_s
+                request,
+                settings.server.max_body_bytes,
+                settings.timeouts.client_body_s,
+                hdrs.get("content-length"),
             )
             req = parse_request(path, raw)
             data, model = req.data, req.model
@@ -450,7 +454,7 @@ class Gateway:
                 raw_len=len(raw),
                 model=model,
                 namespace=tenant.namespace,
-                headers=request.headers,
+                headers=hdrs,
                 session_header=settings.routing.session_header,
                 tenant_priority=tenant.priority,
                 request_id=rid,
@@ -473,7 +477,7 @@ class Gateway:
                     tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
                 ),
             )
-            resp = await self._dispatch(request, call, tenant)
+            resp = await self._dispatch(request, call, tenant, hdrs)
             if ticket is not None and ticket.admission is not None:
                 resp.headers.update(ticket.admission.headers())
             return resp
@@ -516,7 +520,9 @@ class Gateway:
                 500, "internal gateway error", "internal_error", code="internal_error"
             ).response(echo)
 
-    async def _dispatch(self, request: Request, call: Call, tenant: Tenant) -> Response:
+    async def _dispatch(
+        self, request: Request, call: Call, tenant: Tenant, headers: dict[str, str]
+    ) -> Response:
         """Wait for room, then forward; a client that leaves meanwhile cancels both.
 
         Until a response starts nothing reads the client's socket, so without a watcher a client
@@ -550,7 +556,7 @@ class Gateway:
                 tenant=tenant.name,
                 priority=tenant.priority,
                 weight=tenant.cfg.queue_weight,
-                deadline_s=adm.deadline_s(request.headers.get(adm.deadline_header)),
+                deadline_s=adm.deadline_s(headers.get(adm.deadline_header.lower())),
                 has_room=functools.partial(self.slots.free, call.model, tenant.priority),
                 pool=call.model,
             )

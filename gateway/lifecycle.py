@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.call import Call
+from gateway.logs import log_fields
 from gateway.metrics import GatewayMetrics
 from gateway.settlement import Settlement
 from scoring.policy import Policy
@@ -137,25 +138,24 @@ class Lifecycle:
                 self._record_prediction(call, call.route_debug, u.cached_tokens)
         if self.log_requests and reqlog.isEnabledFor(logging.INFO):
             u = call.usage
-            reqlog.info(
+            log_fields(
+                reqlog,
                 "request",
-                extra={
-                    "fields": {
-                        "request_id": call.request_id,
-                        "client_request_id": call.client_request_id,
-                        "model": call.model,
-                        "path": call.path,
-                        "worker": call.worker,
-                        "status": call.status,
-                        "outcome": call.outcome,
-                        "attempts": call.attempts,
-                        "stream": call.stream,
-                        "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
-                        "e2e_ms": round(e2e * 1000, 3),
-                        "prompt_tokens": u.prompt_tokens if u else None,
-                        "completion_tokens": u.completion_tokens if u else None,
-                        "cached_tokens": u.cached_tokens if u else None,
-                    }
+                {
+                    "request_id": call.request_id,
+                    "client_request_id": call.client_request_id,
+                    "model": call.model,
+                    "path": call.path,
+                    "worker": call.worker,
+                    "status": call.status,
+                    "outcome": call.outcome,
+                    "attempts": call.attempts,
+                    "stream": call.stream,
+                    "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+                    "e2e_ms": round(e2e * 1000, 3),
+                    "prompt_tokens": u.prompt_tokens if u else None,
+                    "completion_tokens": u.completion_tokens if u else None,
+                    "cached_tokens": u.cached_tokens if u else None,
                 },
             )
 

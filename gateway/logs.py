@@ -23,10 +23,22 @@ QUEUE_MAX = 10_000  # lines waiting for the writer thread before new ones are dr
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        self._second: tuple[int, str] = (-1, "")  # the last whole second, rendered
+
+    def _ts(self, created: float) -> str:
+        """ISO 8601 UTC with milliseconds; the seconds part rendered once per second (strftime
+        and gmtime were a third of a request line's formatting)."""
+        sec = int(created)
+        last = self._second
+        if last[0] != sec:
+            last = self._second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+        return f"{last[1]}.{int((created - sec) * 1000):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         doc = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": self._ts(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -37,6 +49,32 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(doc, default=str).decode()
+
+    def format_line(self, line: RequestLine) -> str:
+        doc = {"ts": self._ts(line.created), "level": "info", "logger": line.name, "msg": line.msg}
+        doc.update(line.fields)
+        return orjson.dumps(doc, default=str).decode()
+
+
+class RequestLine:
+    """An INFO line with fields, as the event loop hands it to the writer thread: a `LogRecord`
+    costs ~8 us to build (a dozen attributes, clocks, the caller's level name), this ~0.5 us; the
+    writer turns it into a record only for a formatter other than JSON (`record`)."""
+
+    __slots__ = ("created", "fields", "msg", "name")
+
+    def __init__(self, name: str, msg: str, fields: dict[str, object]) -> None:
+        self.created = time.time()
+        self.name = name
+        self.msg = msg
+        self.fields = fields
+
+    def record(self) -> logging.LogRecord:
+        r = logging.LogRecord(self.name, logging.INFO, "", 0, self.msg, None, None)
+        r.created = self.created
+        r.msecs = int((self.created - int(self.created)) * 1000) + 0.0
+        r.fields = self.fields
+        return r
 
 
 class TextFormatter(logging.Formatter):
@@ -64,13 +102,13 @@ class _OffLoopHandler(logging.Handler):
         self.interval_s = interval_s
         self.dropped = 0
         self.writer = logging.StreamHandler(sys.stderr)  # holds the formatter and the stream
-        self._buf: collections.deque[logging.LogRecord] = collections.deque()
+        self._buf: collections.deque[logging.LogRecord | RequestLine] = collections.deque()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvgate-log-writer", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
 
-    def handle(self, record: logging.LogRecord) -> bool:
+    def handle(self, record: logging.LogRecord | RequestLine) -> bool:  # type: ignore[override]
         if len(self._buf) >= self.max_lines:
             self.dropped += 1  # a stuck log sink must not become a stuck (or bloated) gateway
         else:
@@ -87,12 +125,18 @@ class _OffLoopHandler(logging.Handler):
 
     def _write(self) -> None:
         buf, fmt, lines = self._buf, self.writer.format, []
+        json = self.writer.formatter if isinstance(self.writer.formatter, JsonFormatter) else None
         while buf:
             record = buf.popleft()
             try:
+                if isinstance(record, RequestLine):
+                    if json is not None:
+                        lines.append(json.format_line(record))
+                        continue
+                    record = record.record()
                 lines.append(fmt(record))
             except Exception:
-                self.writer.handleError(record)
+                self.writer.handleError(record)  # type: ignore[arg-type]
         if lines:
             stream = self.writer.stream
             try:
@@ -106,6 +150,34 @@ class _OffLoopHandler(logging.Handler):
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def log_fields(logger: logging.Logger, msg: str, fields: dict[str, object]) -> None:
+    """``logger.info(msg, extra={"fields": fields})``, at a fraction of the event loop's cost
+    when that call would only reach the off-loop handler (no handler or filter on the way, as
+    `setup_logging` leaves it; a test's log capture or an operator's extra handler gets the
+    ordinary record). Callers check ``logger.isEnabledFor(logging.INFO)`` first."""
+    h = _only_handler(logger)
+    if h is None:
+        logger.info(msg, extra={"fields": fields})
+    else:
+        h.handle(RequestLine(logger.name, msg, fields))
+
+
+def _only_handler(logger: logging.Logger) -> _OffLoopHandler | None:
+    root = logging.root
+    hs = root.handlers
+    if len(hs) != 1 or root.filters:
+        return None
+    h = hs[0]
+    if type(h) is not _OffLoopHandler or h.filters or h.level > logging.INFO:
+        return None
+    lg: logging.Logger | None = logger
+    while lg is not None and lg is not root:
+        if lg.handlers or lg.filters or not lg.propagate:
+            return None
+        lg = lg.parent
+    return h
 
 
 def log_handler() -> _OffLoopHandler | None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import orjson
+import pytest
 
-from gateway.logs import JsonFormatter, _OffLoopHandler
+from gateway.logs import JsonFormatter, TextFormatter, _OffLoopHandler, log_fields
 
 
 def test_lines_are_written_by_the_writer_thread_formatted_as_json() -> None:
@@ -65,3 +68,98 @@ def test_a_stuck_sink_drops_lines_instead_of_blocking_the_caller() -> None:
         h.stop()
         h.writer.stream.close()
         reader.join(timeout=10)
+
+
+def _writer_to_pipe(fmt: logging.Formatter) -> tuple[_OffLoopHandler, int]:
+    r, w = os.pipe()
+    h = _OffLoopHandler(100)
+    h.writer.setStream(os.fdopen(w, "w"))
+    h.writer.setFormatter(fmt)
+    return h, r
+
+
+@pytest.fixture
+def root_with() -> Iterator[Callable[[logging.Handler], None]]:
+    """Root's handlers replaced by the given ones for one test (pytest's capture included)."""
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+
+    def install(*handlers: logging.Handler) -> None:
+        root.handlers[:] = list(handlers)
+        root.setLevel(logging.INFO)
+
+    yield install
+    root.handlers[:] = saved
+    root.setLevel(level)
+
+
+FIELDS = {"request_id": "kvg-1", "status": 200, "ttft_ms": 1.5, "cached_tokens": None}
+
+
+def test_a_request_line_reads_as_the_same_json_as_a_logged_record(root_with: Any) -> None:
+    h, r = _writer_to_pipe(JsonFormatter())
+    root_with(h)
+    log = logging.getLogger("kvgate.test.fast")
+    try:
+        log_fields(log, "request", dict(FIELDS))
+        log.info("request", extra={"fields": dict(FIELDS)})
+        h.stop()
+        fast, slow = (orjson.loads(x) for x in os.read(r, 65536).splitlines()[:2])
+        assert fast.pop("ts")[:17] == slow.pop("ts")[:17]  # same minute, same shape
+        assert (
+            fast
+            == slow
+            == {
+                "level": "info",
+                "logger": "kvgate.test.fast",
+                "msg": "request",
+                **FIELDS,
+            }
+        )
+    finally:
+        os.close(r)
+
+
+def test_a_request_line_takes_the_record_path_when_anything_else_listens(
+    root_with: Any,
+) -> None:
+    """A test's capture, an operator's extra handler or a filter sees an ordinary record."""
+    h, r = _writer_to_pipe(JsonFormatter())
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    root_with(h, Keep())
+    log = logging.getLogger("kvgate.test.fast2")
+    try:
+        log_fields(log, "request", dict(FIELDS))
+        assert len(seen) == 1 and seen[0].fields == FIELDS and seen[0].getMessage() == "request"
+        root_with(h)
+        log.addFilter(lambda rec: False)  # a filter on the way drops it, as for log.info
+        log_fields(log, "request", dict(FIELDS))
+        h.stop()
+        assert len(os.read(r, 65536).splitlines()) == 1  # only the first line
+    finally:
+        os.close(r)
+
+
+def test_a_request_line_under_the_text_format_is_the_record_s_text(root_with: Any) -> None:
+    h, r = _writer_to_pipe(TextFormatter())
+    root_with(h)
+    log = logging.getLogger("kvgate.test.fast3")
+    try:
+        log_fields(log, "request", {"request_id": "kvg-9", "status": 200})
+        h.stop()
+        line = os.read(r, 65536).decode().splitlines()[0]
+        assert line.endswith(" INFO kvgate.test.fast3: request request_id=kvg-9 status=200")
+    finally:
+        os.close(r)
+
+
+def test_json_timestamps_keep_their_milliseconds_across_seconds() -> None:
+    f = JsonFormatter()
+    assert f._ts(1_700_000_000.25) == "2023-11-14T22:13:20.250Z"
+    assert f._ts(1_700_000_000.999) == "2023-11-14T22:13:20.999Z"
+    assert f._ts(1_700_000_001.0) == "2023-11-14T22:13:21.000Z"

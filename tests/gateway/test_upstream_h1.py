@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from gateway.upstream import UpstreamConnectError, UpstreamStreamError
-from gateway.upstream_h1 import H1Upstream
+from gateway.upstream_h1 import H1Upstream, _RawHeaders
 from tests.gateway.conftest import free_ports
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -347,3 +347,11 @@ async def test_a_timeout_while_waiting_for_the_head_spends_the_connection() -> N
             async with asyncio.timeout(0.2):
                 await c.post(url, b"{}", {})
         assert c.open_connections == 0
+
+
+def test_response_headers_answer_by_any_case_the_last_of_a_repeated_name() -> None:
+    h = _RawHeaders([(b"Content-Type", b"text/event-stream"), (b"X-A", b"1"), (b"x-a", b"2")])
+    assert h.get("content-type") == h["Content-Type"] == "text/event-stream"
+    assert h.get("X-A") == h["x-a"] == "2"  # as a dict of the list would keep it
+    assert h.get("missing", "d") == "d" and "missing" not in h
+    assert dict(h) == {"content-type": "text/event-stream", "x-a": "2"} and len(h) == 2

@@ -2,7 +2,7 @@ import orjson
 import pytest
 
 from gateway.errors import APIError
-from gateway.validate import CHAT, COMPLETIONS, parse_request
+from gateway.validate import CHAT, COMPLETIONS, parse_request, request_headers
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -293,3 +293,17 @@ def test_unknown_fields_pass_through_untouched_whatever_they_hold() -> None:
     raw = body(model="m", prompt="p", messages="not checked here", tools=[1], **{"role": 5})
     r = parse_request(COMPLETIONS, raw)
     assert r.data == orjson.loads(raw) and not r.modified
+
+
+def test_request_headers_are_read_once_by_lower_case_name_the_first_of_repeats() -> None:
+    scope = {
+        "headers": [
+            (b"authorization", b"Bearer a"),
+            (b"x-request-id", b"first"),
+            (b"x-request-id", b"second"),
+            (b"x-caf\xe9", b"\xff"),
+        ]
+    }
+    h = request_headers(scope)
+    assert h["authorization"] == "Bearer a" and h["x-request-id"] == "first"  # as Starlette's
+    assert h["x-caf\xe9"] == "\xff"  # latin-1 both ways, never a decode error
