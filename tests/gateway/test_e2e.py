@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import httpx
 import openai
@@ -144,6 +145,33 @@ async def test_a_stream_reaches_the_client_in_one_write_per_worker_read(monkeypa
     )
     assert writes[1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert writes[1].count(b"\n\ndata: ") == len(SCRIPTED_EVENTS) - 2
+
+
+async def test_a_finished_request_is_freed_without_the_cycle_collector(sims) -> None:  # type: ignore[no-untyped-def]
+    """Nothing a request builds refers back to itself, so reference counting frees it when it
+    ends. Before, the relay and its wait helper referred to each other: every stream's relay,
+    call, route and upstream response stayed until the cyclic collector ran (~60 containers per
+    request; under load a 30-50 ms collection every ~1,000 requests, once 220 ms)."""
+    from gateway.call import Call
+    from gateway.relay import RelayResponse
+
+    fleet = sims(1)
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        gc.collect()
+        gc.disable()
+        try:
+            for stream in (True, True, False):
+                body = {**CHAT, "stream": stream, "max_tokens": 8}
+                assert (await post(g.url + "/v1/chat/completions", body)).status_code == 200
+            await until(lambda: not g.gw.life.streams, 5, "streams ended")
+            await asyncio.sleep(0.1)  # the request tasks' own last steps after the last byte
+            alive = [
+                type(o).__name__ for o in gc.get_objects() if isinstance(o, RelayResponse | Call)
+            ]
+        finally:
+            gc.enable()
+    assert alive == [], alive
 
 
 async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_ask() -> None:
