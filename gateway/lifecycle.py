@@ -56,8 +56,9 @@ class Lifecycle:
 
     # -- on the worker ---------------------------------------------------------------------------
     def dispatched(self, policy: Policy, call: Call, d: Decision, worker: Worker) -> None:
-        """``policy`` sent ``call`` to ``worker``: it counts there (in flight, queued prefill, KV
-        it will fill) until released, and the policy learns where its prefix now lives."""
+        """``policy`` sends ``call`` to ``worker``: it counts there (in flight, queued prefill, KV
+        it will fill) until released. The policy learns where its prefix now lives in
+        ``learned``, once the request is on its way (the upstream client's ``sent``)."""
         m = self.metrics
         if call.attempts == 1:
             m.child(m.routing_decisions, policy.name, d.reason).inc()
@@ -68,7 +69,6 @@ class Lifecycle:
         q = d.scores.get("queue")
         if q is not None:
             m.child(m.queue_delay, worker.name).set(q)
-        call.learned = policy.on_dispatch(worker.name, call.route)
         call.route_debug = d
         call.policy = policy
         worker.dispatched(d.prefill_tokens)
@@ -76,6 +76,12 @@ class Lifecycle:
         call.prefill_tokens = d.prefill_tokens
         call.pool = worker.spec.labels.get("pool", "default")
         m.child(m.in_flight, worker.name).set(worker.in_flight)
+
+    def learned(self, call: Call, worker: Worker) -> None:
+        """The request is on its way to ``worker``: its policy records the prompt's prefix
+        there (the prefix index, the session). Called before anything else can be routed."""
+        assert call.policy is not None
+        call.learned = call.policy.on_dispatch(worker.name, call.route)
 
     def first_byte(self, worker: Worker, call: Call, seconds: float) -> None:
         """The worker answered ``seconds`` after this attempt's dispatch: its own TTFT (outlier

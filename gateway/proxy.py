@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -183,7 +184,12 @@ class Proxy:
             raise TimeoutError
         call.upstream_sent = True
         with self.deadlines.within(timeout):
-            return await self.client.post(worker.url + call.path, call.body, headers)
+            return await self.client.post(
+                worker.url + call.path,
+                call.body,
+                headers,
+                functools.partial(self.life.learned, call, worker),
+            )
 
     async def _first_chunk(
         self, resp: UpstreamResponse, timeout: float

@@ -388,9 +388,7 @@ class RelayResponse(Response):
         a send blocked past that window (no probe) or past the total deadline cuts it too."""
         now = time.perf_counter()
         waiting = self._waiting
-        if waiting.awaiting and (
-            now - self._last_chunk > self._t.idle_s or now > self._deadline
-        ):
+        if waiting.awaiting and (now - self._last_chunk > self._t.idle_s or now > self._deadline):
             waiting.idle_cut = True  # the pump turns this cancel into the idle-timeout error
             task.cancel()
             return

@@ -9,7 +9,7 @@ httpx (its API serves probes, admin and bench) stay selectable as fallbacks.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -40,7 +40,17 @@ class UpstreamResponse(Protocol):
 
 
 class UpstreamClient(Protocol):
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse: ...
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: Callable[[], None] | None = None,
+    ) -> UpstreamResponse:
+        """POST ``body``; the response once its head arrived. ``sent`` is called once, as soon
+        as the request is on its way to the worker and in any case before this coroutine first
+        yields to the loop (so nothing else runs between the caller's decision and it)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -93,7 +103,15 @@ class AiohttpUpstream:
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: Callable[[], None] | None = None,
+    ) -> UpstreamResponse:
+        if sent is not None:
+            sent()
         try:
             r = await self._session.post(url, data=body, headers=headers)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
@@ -148,7 +166,15 @@ class HttpxUpstream:
             ),
         )
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: Callable[[], None] | None = None,
+    ) -> UpstreamResponse:
+        if sent is not None:
+            sent()
         req = self._client.build_request("POST", url, content=body, headers=headers)
         try:
             r = await self._client.send(req, stream=True)

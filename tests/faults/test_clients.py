@@ -146,8 +146,8 @@ class _Tap:
         self.inner = inner
         self.responses: list[_TappedResponse] = []
 
-    async def post(self, url: str, body: bytes, headers: Any) -> _TappedResponse:
-        r = _TappedResponse(await self.inner.post(url, body, headers))
+    async def post(self, url: str, body: bytes, headers: Any, sent: Any = None) -> _TappedResponse:
+        r = _TappedResponse(await self.inner.post(url, body, headers, sent))
         self.responses.append(r)
         return r
 

@@ -68,7 +68,9 @@ def test_an_attempt_counts_on_its_worker_until_released_and_the_policy_hears_onc
     policy, c = Recorder(), call()
     life.dispatched(policy, c, decision("w0", 40), w)  # type: ignore[arg-type]
     assert (w.in_flight, w.prefill_tokens, w.sent_tokens_since_scrape) == (1, 40, 40)
-    assert policy.dispatched == ["w0"] and c.route_debug is not None
+    assert policy.dispatched == [] and c.route_debug is not None  # learned once it is sent
+    life.learned(c, w)
+    assert policy.dispatched == ["w0"]
     life.first_byte(w, c, 0.05)
     assert (w.in_flight, w.prefill_tokens) == (1, 0)
     assert policy.prefilled == ["w0"]

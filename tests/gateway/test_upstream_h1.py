@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from gateway.upstream import UpstreamConnectError, UpstreamStreamError
-from gateway.upstream_h1 import H1Upstream, _RawHeaders
+from gateway.upstream_h1 import H1Upstream, _Conn, _RawHeaders
 from tests.gateway.conftest import free_ports
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -355,3 +355,40 @@ def test_response_headers_answer_by_any_case_the_last_of_a_repeated_name() -> No
     assert h.get("X-A") == h["x-a"] == "2"  # as a dict of the list would keep it
     assert h.get("missing", "d") == "d" and "missing" not in h
     assert dict(h) == {"content-type": "text/event-stream", "x-a": "2"} and len(h) == 2
+
+
+async def test_sent_is_called_once_before_the_post_first_waits_and_after_a_pooled_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the caller does in `sent` (the prefix index learning the prompt) must happen before
+    any other request can be routed, i.e. before `post` first yields; on a pooled connection it
+    comes after the request is written, so it overlaps the worker's work."""
+    order: list[str] = []
+    made = _Conn.connection_made
+
+    def recorded(self: _Conn, transport: asyncio.BaseTransport) -> None:
+        write = transport.write  # type: ignore[attr-defined]
+
+        def w(data: bytes) -> None:
+            order.append("write")
+            write(data)
+
+        transport.write = w  # type: ignore[attr-defined]
+        made(self, transport)
+
+    monkeypatch.setattr(_Conn, "connection_made", recorded)
+    async with server(keep_alive_ok) as (url, accepted):
+        c = client()
+        for expected in (["sent", "write"], ["write", "sent"]):  # new connection, then pooled
+            order.clear()
+            task = asyncio.create_task(
+                c.post(url + "/v1/chat", b"{}", {}, lambda: order.append("sent"))
+            )
+            await asyncio.sleep(0)  # the post runs until it first waits
+            assert order.count("sent") == 1
+            resp = await task
+            assert await resp.read() == b"{}"
+            await resp.release()
+            assert order == expected
+        assert len(accepted) == 1
+        await c.close()
