@@ -784,23 +784,36 @@ def summarize(s: Samples, concurrency: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def _session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system, all threads) of every process in session `sid`: the router
-    and anything it started (`sglang_router.launch_router` and friends)."""
+def _session_usage(sid: int) -> tuple[float, int | None, int | None]:
+    """(CPU seconds, read syscalls, write syscalls), user + system over all threads, of every
+    process in session `sid`: the router and anything it started (`sglang_router.launch_router`
+    and friends). The syscall counts come from /proc/<pid>/io (reads and writes of any kind,
+    sockets included) and are None where a process's are not readable. NaN CPU without procfs
+    (macOS: the columns show "-")."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
+    reads: int | None = 0
+    writes: int | None = 0
     try:
         entries = list(Path("/proc").iterdir())
-    except OSError:  # no procfs (macOS): the column shows "-"
-        return math.nan
+    except OSError:
+        return math.nan, None, None
     for d in entries:
         if not d.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(f[3]) == sid:  # fields after the name: state ppid pgrp session ...
-                total += int(f[11]) + int(f[12])
-    return total / tick
+            if int(f[3]) != sid:  # fields after the name: state ppid pgrp session ...
+                continue
+            total += int(f[11]) + int(f[12])
+            try:
+                io = dict(line.split(": ") for line in (d / "io").read_text().splitlines())
+                if reads is not None and writes is not None:
+                    reads += int(io["syscr"])
+                    writes += int(io["syscw"])
+            except (OSError, ValueError, KeyError):
+                reads = writes = None
+    return total / tick, reads, writes
 
 
 class LevelWatch:
@@ -813,7 +826,7 @@ class LevelWatch:
         self.prog, self.label = prog, label
         self.task = prog.add_task(f"{label} (connecting)", total=warmup_s + seconds)
         self.begin = self.end = math.inf
-        self.at: list[tuple[float, float]] = []
+        self.at: list[tuple[float, float, int | None, int | None]] = []
 
     def start(self, start_at: float) -> None:
         """The load generators are connected and start at `start_at`."""
@@ -826,13 +839,22 @@ class LevelWatch:
             done = max(0.0, min(self.end, now) - self.begin + self.warmup_s)
             self.prog.update(self.task, completed=done)
         if (not self.at and now >= self.begin) or (len(self.at) == 1 and now >= self.end):
-            self.at.append((now, _session_cpu_s(self.pid)))
+            self.at.append((now, *_session_usage(self.pid)))
 
     def share(self) -> float | None:
         """Busy share of one core over the window (1.0 = the router used its whole core)."""
         if len(self.at) < 2 or self.at[1][0] <= self.at[0][0] or math.isnan(self.at[0][1]):
             return None
         return (self.at[1][1] - self.at[0][1]) / (self.at[1][0] - self.at[0][0])
+
+    def syscalls_per_s(self) -> tuple[float, float] | None:
+        """(read, write) syscalls per second over the window, where /proc says."""
+        if len(self.at) < 2 or self.at[1][0] <= self.at[0][0]:
+            return None
+        (t0, _, r0, w0), (t1, _, r1, w1) = self.at
+        if r0 is None or w0 is None or r1 is None or w1 is None:
+            return None
+        return (r1 - r0) / (t1 - t0), (w1 - w0) / (t1 - t0)
 
 
 # -- targets -----------------------------------------------------------------------------------
@@ -1032,6 +1054,11 @@ def run_ladder_target(
         row["router_cpu"] = watch.share()
         if row["rps"] and row["router_cpu"] is not None:
             row["router_cpu_ms_per_request"] = round(row["router_cpu"] / row["rps"] * 1000, 4)
+        io = watch.syscalls_per_s()
+        if row["rps"] and io is not None:
+            # Syscalls, not writes counted by strace (which slows the router enough to batch).
+            row["router_reads_per_request"] = round(io[0] / row["rps"], 2)
+            row["router_writes_per_request"] = round(io[1] / row["rps"], 2)
         if failures:
             row["loadgen_failures"] = failures
         t.levels.append(row)
@@ -1093,7 +1120,13 @@ LADDER_COLUMNS: tuple[tuple[str, bool, LevelCell], ...] = (
     ("errors", False, lambda r: str(r["errors"])),
     ("router\nCPU", False, lambda r: _pct(r.get("router_cpu"))),
     ("CPU ms\n/req", False, lambda r: _cpu_ms(r)),
+    ("reads+writes\n/req", True, lambda r: _io(r)),
 )
+
+
+def _io(row: dict[str, Any]) -> str:
+    r, w = row.get("router_reads_per_request"), row.get("router_writes_per_request")
+    return "-" if r is None or w is None else f"{r:.1f}+{w:.1f}"
 
 
 def _cpu_ms(row: dict[str, Any]) -> str:

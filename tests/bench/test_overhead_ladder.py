@@ -209,6 +209,8 @@ def _row(c: int) -> dict[str, Any]:
         "ttfb_ms": {"p50": 1234.5678, "p90": 23456.78, "p99": 34567.89},
         "e2e_ms": {"p50": 4567.891, "p90": 56789.01, "p99": 67890.12},
         "router_cpu": 0.987,
+        "router_reads_per_request": 18.26,
+        "router_writes_per_request": 17.2,
     }
 
 
@@ -251,8 +253,9 @@ def test_ladder_table_fits_100_columns_with_every_digit() -> None:
     assert "23456.8" not in out  # p90: --wide only
     assert "gone" not in out  # skipped targets are listed after the table, not as rows
     assert "bottleneck" in out  # the 2-core caption
+    assert "18.3+17.2" not in out  # syscalls per request: --wide only
     wide = _render(ladder_table(REPORT, wide=True))
-    assert "…" not in wide and "23456.8" in wide and "56789.0" in wide
+    assert "…" not in wide and "23456.8" in wide and "56789.0" in wide and "18.3+17.2" in wide
 
 
 def test_summary_table_fits_100_columns() -> None:
@@ -293,4 +296,11 @@ def test_a_tiny_ladder_writes_the_json_and_the_plot(tmp_path: Path) -> None:
             assert r["router_cpu_ms_per_request"] == pytest.approx(
                 r["router_cpu"] / r["rps"] * 1000, rel=1e-3
             )
+            # Counted by the kernel: a request through kvgate is at least two reads (the
+            # client's request, the worker's answer) and two writes (the request upstream, the
+            # answer to the client); direct, the worker reads one and writes one at least. The
+            # window is sampled by this process's ticks, a few ms off the requests' own: bounds.
+            least = 1.5 if name == "kvgate" else 0.8
+            assert r["router_reads_per_request"] >= least, r
+            assert r["router_writes_per_request"] >= least, r
     assert out_png.stat().st_size > 0
