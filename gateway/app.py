@@ -424,9 +424,9 @@ class Gateway:
             tenant = self.tenants.authenticate(hdrs.get("authorization"))
             raw = await read_body(
                 request,
+                hdrs.get("content-length"),
                 settings.server.max_body_bytes,
                 settings.timeouts.client_body_s,
-                hdrs.get("content-length"),
             )
             req = parse_request(path, raw)
             data, model = req.data, req.model

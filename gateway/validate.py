@@ -50,17 +50,12 @@ def request_headers(scope: Scope) -> dict[str, str]:
 
 
 async def read_body(
-    request: Request,
-    limit: int,
-    timeout_s: float | None = None,
-    content_length: str | None = None,
+    request: Request, content_length: str | None, limit: int, timeout_s: float | None
 ) -> bytes:
     """The body, capped at ``limit`` bytes and ``timeout_s`` seconds: a client that dribbles or
     stalls its upload would otherwise hold a connection and a task forever (uvicorn has no body
-    timeout of its own), a cheap way to exhaust a gateway. ``content_length``: the header, when
-    the caller has read the headers already."""
-    if content_length is None:
-        content_length = request.headers.get("content-length")
+    timeout of its own), a cheap way to exhaust a gateway. ``content_length``: the header's
+    value (`request_headers`), None when the client sent none."""
     if timeout_s is None or _arrived(request):
         return await _read_body(request, limit, content_length)
     try:
