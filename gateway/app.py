@@ -55,7 +55,7 @@ from gateway.metrics import (
 )
 from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.server import HEAD_AT
+from gateway.server import HEAD_AT, unwatch_disconnect, watch_disconnect
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.gateway")
 
-_WATCH_AFTER_S = 0.05  # a dispatch still waiting this long gets a client-disconnect watcher
+_WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -527,27 +527,37 @@ class Gateway:
 
         Until a response starts nothing reads the client's socket, so without a watcher a client
         that hangs up while queued or during a long prefill would keep its queue entry, worker
-        request, slot and lease to the end. One watcher task per request cancels this one on
-        http.disconnect; the proxy's cleanup aborts the upstream request, the walk's error path
-        refunds the reservation. Streams hand over to the relay's own watcher once they start.
+        request, slot and lease to the end. A disconnect cancels this task; the proxy's cleanup
+        aborts the upstream request, the walk's error path refunds the reservation. Streams
+        hand over to the relay's own watch once they start.
         """
         me = asyncio.current_task()
         assert me is not None and self.proxy is not None
         gone = False
 
-        async def watch() -> None:
+        def lost() -> None:
             nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
             gone = True
             me.cancel()
 
-        # Started only if the dispatch is still waiting after a moment: most requests get their
-        # first byte sooner, and a timer handle costs a fraction of a task (measured with
-        # bench/overhead.py: a task per request took 20% off requests/s at 16 in flight).
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            lost()
+
+        # kvgate's server calls back on a disconnect (gateway.server.watch_disconnect). Under
+        # another server a watcher task starts only if the dispatch is still waiting after a
+        # moment: most requests get their first byte sooner, and a timer handle costs a
+        # fraction of a task (bench/overhead.py: a task per request took 20% off requests/s at
+        # 16 in flight).
+        receive = request.receive
         watcher: list[asyncio.Task[None]] = []
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(_WATCH_AFTER_S, lambda: watcher.append(loop.create_task(watch())))
+        timer: asyncio.TimerHandle | None = None
+        if not watch_disconnect(receive, lost):
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(
+                _WATCH_AFTER_S, lambda: watcher.append(loop.create_task(watch()))
+            )
         try:
             adm = self.admission.settings
             # The last await before the proxy picks a worker (see gateway.admission): the room
@@ -585,6 +595,9 @@ class Gateway:
                 code="client_closed_request",
             ) from None
         finally:
-            timer.cancel()
+            if timer is None:
+                unwatch_disconnect(receive)
+            else:
+                timer.cancel()
             for t in watcher:
                 t.cancel()

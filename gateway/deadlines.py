@@ -24,6 +24,10 @@ class Deadlines:
         self.tick_s = tick_s
         self._live: dict[_Wait, float] = {}
         self._timer: asyncio.TimerHandle | None = None
+        # No live wait's deadline is earlier (a wait that ended may have set it): a tick before
+        # it has nothing to expire and skips the scan, which at 1,024 waits in flight cost a
+        # scan of all of them every tick (~90 us, 17 us per request in cProfile).
+        self._next = float("inf")
 
     def within(self, seconds: float) -> _Wait:
         return _Wait(self, seconds)
@@ -34,19 +38,25 @@ class Deadlines:
 
     def _add(self, wait: _Wait, seconds: float) -> None:
         loop = asyncio.get_running_loop()
-        self._live[wait] = loop.time() + seconds
+        at = self._live[wait] = loop.time() + seconds
+        if at < self._next:
+            self._next = at
         if self._timer is None:
             self._timer = loop.call_later(self.tick_s, self._sweep, loop)
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
-        now = loop.time()
         live = self._live
-        for wait in [w for w, at in live.items() if at <= now]:
-            del live[wait]
-            wait.expire()
+        now = loop.time()
+        if now >= self._next:
+            for wait in [w for w, at in live.items() if at <= now]:
+                del live[wait]
+                wait.expire()
+            self._next = min(live.values(), default=float("inf"))
         if live:
             self._timer = loop.call_later(self.tick_s, self._sweep, loop)
+        else:
+            self._next = float("inf")
 
 
 class _Wait:

@@ -26,6 +26,7 @@ from gateway.client_socket import AckProbe
 from gateway.config import TimeoutSettings
 from gateway.errors import sse_error_event
 from gateway.metrics import BatchedHistogram
+from gateway.server import unwatch_disconnect, watch_disconnect
 from gateway.upstream import UpstreamResponse, UpstreamStreamError
 from workers.worker import Worker
 
@@ -82,9 +83,12 @@ class RelayResponse(Response):
         self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4, timeouts.idle_s / 4))
         self._last_chunk = 0.0  # perf_counter of the worker's last chunk (or the stream start)
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # another server's disconnect watcher
+        self._receive: Receive | None = None
         self._settling = False  # _complete is running: the stall check must not cancel it
         self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
+        # The ``send`` to find the probe by, at the first stall check: most streams end sooner.
+        self._acks_of: Send | None = None
         self._acked = -1  # bytes the client had acked at the last stall check
         self._progress_at = 0.0  # perf_counter of the last stall check that saw progress
         # What the byte scan (`_feed`) keeps between chunks.
@@ -104,21 +108,27 @@ class RelayResponse(Response):
         assert me is not None
         gone = False
 
-        async def watch() -> None:
+        def lost() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
             gone = True
             me.cancel()
 
-        # One helper task per stream (not two plus asyncio.wait): the pump runs in this task and
-        # the watcher cancels it the moment the client leaves.
-        watcher = self._watcher = asyncio.get_running_loop().create_task(watch())
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            lost()
+
+        # The pump runs in this task and a disconnect cancels it: kvgate's server calls back
+        # (gateway.server.watch_disconnect); under another server a helper task waits for
+        # http.disconnect.
+        self._receive = receive
+        if not watch_disconnect(receive, lost):
+            self._watcher = asyncio.get_running_loop().create_task(watch())
         streams = self._life.streams
         streams[me] = self
         try:
             # Inside the try: whatever happens from here, the cleanup below settles the call.
-            self._acks = AckProbe.of(send)
+            self._acks_of = send
             self._progress_at = self._last_chunk = time.perf_counter()
             self._stall_timer = asyncio.get_running_loop().call_later(
                 self._stall_every, self._check_stall, me
@@ -147,7 +157,7 @@ class RelayResponse(Response):
             if self._stall_timer is not None:
                 self._stall_timer.cancel()
             streams.pop(me, None)
-            watcher.cancel()
+            self._unwatch()
             if gone:
                 call.outcome = "client_disconnect"
                 self._life.metrics.client_disconnects.inc()
@@ -164,8 +174,7 @@ class RelayResponse(Response):
         """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
         disconnect watcher stops and the stall check holds off first, and a cancel either
         already requested is taken now, so the cleanup in ``__call__`` settles instead."""
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self._unwatch()
         me = asyncio.current_task()
         if me is not None and me.cancelling():
             await asyncio.sleep(0)  # delivers the pending CancelledError
@@ -174,6 +183,13 @@ class RelayResponse(Response):
             await self._complete()
         finally:
             self._settling = False
+
+    def _unwatch(self) -> None:
+        """The client's disconnect no longer cancels the stream."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        else:
+            unwatch_disconnect(self._receive)
 
     async def _complete(self) -> None:
         """Free the worker slot, settle and record the request; once, at [DONE] or at the end."""
@@ -394,6 +410,8 @@ class RelayResponse(Response):
             return
         started = self._sending
         stalled = bool(started) and now > self._deadline and not self._settling
+        if self._acks_of is not None:
+            self._acks, self._acks_of = AckProbe.of(self._acks_of), None
         acks = self._acks
         if acks is not None and not stalled:
             try:

@@ -33,7 +33,7 @@ import logging
 import resource
 import signal
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import httptools
@@ -83,6 +83,33 @@ _REFUSED = _envelope_response(
     "service_unavailable",
     b"retry-after: 1\r\n",
 )
+
+
+def watch_disconnect(receive: Any, lost: Callable[[], None]) -> bool:
+    """Run ``lost`` once when the client of the request behind ``receive`` goes away; at once
+    when it is gone already. False when the server cannot report it (another server, or a
+    wrapped ``receive``): the caller then watches with a task awaiting ``http.disconnect``.
+
+    A task per request that sits in ``receive()`` only to learn of a disconnect cost a task
+    creation, two steps and a cancellation on every stream; here the protocol's
+    ``connection_lost`` calls back, and watching is two attribute writes.
+    """
+    cycle = getattr(receive, "__self__", None)
+    if cycle is None or not hasattr(cycle, "kvgate_lost"):
+        return False
+    if cycle.disconnected:
+        lost()
+        return True
+    cycle.kvgate_lost = lost
+    cycle.flow.resume_reading()  # as receive() does: a paused socket would not see the close
+    return True
+
+
+def unwatch_disconnect(receive: Any) -> None:
+    """Stop the callback `watch_disconnect` armed (the request no longer needs it)."""
+    cycle = getattr(receive, "__self__", None)
+    if cycle is not None and getattr(cycle, "kvgate_lost", None) is not None:
+        cycle.kvgate_lost = None
 
 
 class ConnectionGuard:
@@ -160,6 +187,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
         super().connection_lost(exc)
+        self._tell_lost()
+
+    def _tell_lost(self) -> None:
+        """Run the request's disconnect callback (`watch_disconnect`) once its client is gone."""
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:
+            lost = getattr(cycle, "kvgate_lost", None)
+            if lost is not None:
+                cycle.kvgate_lost = None
+                lost()
 
     def _forget(self) -> None:
         """Stop counting this connection (it is closing or closed) and drop its timer."""
@@ -229,6 +266,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._upgrade_requested()
             return
         _on_headers_complete(self)
+        if self.cycle is not None:
+            self.cycle.kvgate_lost = None  # this cycle reports its disconnect (watch_disconnect)
 
     def _upgrade_requested(self) -> None:
         """No protocol upgrade is served here (websockets are off, h2c is not supported), and the
@@ -313,6 +352,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True
             cycle.message_event.set()
+            self._tell_lost()
             if cycle.response_started:  # mid-response: no room for another status line
                 self._forget()
                 self.transport.close()

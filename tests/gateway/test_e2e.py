@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.server import GuardedHttpProtocol
+from gateway.server import GuardedHttpProtocol, unwatch_disconnect, watch_disconnect
 from tests.gateway.conftest import (
     MODEL,
     SCRIPTED_EVENTS,
@@ -321,6 +321,35 @@ async def test_client_disconnect_aborts_the_request_on_the_worker(sims) -> None:
             await asyncio.sleep(0.02)
         assert g.gw.registry.workers["w0"].in_flight == 0
         assert (await g.metrics())["kvgate_client_disconnects_total"] == 1
+
+
+async def test_a_stream_needs_no_disconnect_watcher_task_under_kvgates_server(sims) -> None:  # type: ignore[no-untyped-def]
+    # The server calls back on a disconnect (watch_disconnect), so a stream is its request's
+    # task alone; the disconnect tests above show the callback still cancels it.
+    fleet = sims(1, profile="default")
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+            async with c.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    got += line.startswith("data: ")
+                    if got >= 3:
+                        break
+                assert len(g.gw.life.streams) == 1
+                names = [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+                assert not [n for n in names if n.endswith(".watch")], names
+
+
+def test_watch_disconnect_says_when_the_server_cannot_report_one() -> None:
+    async def receive() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    called: list[bool] = []
+    assert watch_disconnect(receive, lambda: called.append(True)) is False
+    unwatch_disconnect(receive)  # nothing armed: a no-op
+    assert not called
 
 
 async def test_unhealthy_worker_stops_getting_traffic_and_comes_back(sims) -> None:  # type: ignore[no-untyped-def]
