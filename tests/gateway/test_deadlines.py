@@ -96,3 +96,31 @@ async def test_outside_a_task_it_says_so() -> None:
 
     with pytest.raises(RuntimeError):
         await asyncio.get_running_loop().run_in_executor(None, sync_use)
+
+
+async def test_a_short_wait_after_a_long_one_still_expires_at_its_own_deadline() -> None:
+    # The sweep skips its scan until the earliest deadline is due: a short wait that starts
+    # while a long one is live (or after one that ended) must move that point forward.
+    d = Deadlines(tick_s=0.01)
+    loop = asyncio.get_running_loop()
+
+    async def wait(limit: float, work: float) -> tuple[str, float]:
+        t0 = loop.time()
+        try:
+            with d.within(limit):
+                await asyncio.sleep(work)
+        except TimeoutError:
+            return "timeout", loop.time() - t0
+        return "ok", loop.time() - t0
+
+    long = asyncio.ensure_future(wait(30, 30))
+    with d.within(0.02):  # ends in time: its deadline stays behind as the earliest
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)  # the stale earliest deadline passes: one scan, nothing expires
+    outcome, waited = await wait(0.05, 10)
+    assert outcome == "timeout" and waited < 5  # not at the long wait's 30 s
+    assert not long.done()
+    long.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await long
+    assert len(d) == 0
