@@ -229,14 +229,19 @@ class ClusterSync:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Bounded: a Redis call that swallowed its cancellation must not hold up a shutdown
+            # (the process is going; the task dies with the loop).
+            await asyncio.wait({task}, timeout=self.op_timeout_s + 1.0)
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a failure here was logged by the loop already
         if self.state == "ok":
             with contextlib.suppress(Exception):
                 self.seq += 1
                 async with asyncio.timeout(self.op_timeout_s):
                     await self.client.hset(self.key, self.replica_id, encode_snapshot(self.seq, {}))
-        await self.client.aclose()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.op_timeout_s + 1.0):
+                await self.client.aclose()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
