@@ -56,7 +56,7 @@ class AckProbe:
             sock = transport.get_extra_info("socket")
             if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
-            if sock.fileno() < 0:  # closed already: the disconnect watcher takes it
+            if sock.fileno() < 0:  # closed already: the disconnect handling takes it
                 return None
         except (OSError, ValueError):
             return None

@@ -45,10 +45,10 @@ _STREAM_ERRORS = {
 class RelayResponse(Response):
     """Streams one upstream SSE response to the client.
 
-    Runs the pump and a disconnect watcher side by side: the moment the client goes away the pump
-    is cancelled and the upstream connection closed, so the worker aborts the request and frees
-    its KV blocks. Cleanup sits in `finally` of `__call__`, so it runs even if the response is
-    cancelled before its first byte.
+    The pump runs in the request's task and a disconnect cancels it (the server's callback, or a
+    watcher task under another server): the moment the client goes away the upstream connection
+    is closed, so the worker aborts the request and frees its KV blocks. Cleanup sits in
+    `finally` of `__call__`, so it runs even if the response is cancelled before its first byte.
     """
 
     def __init__(
@@ -172,7 +172,7 @@ class RelayResponse(Response):
 
     async def _settle_before_done(self) -> None:
         """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
-        disconnect watcher stops and the stall check holds off first, and a cancel either
+        disconnect watch stops and the stall check holds off first, and a cancel either
         already requested is taken now, so the cleanup in ``__call__`` settles instead."""
         self._unwatch()
         me = asyncio.current_task()
@@ -416,7 +416,7 @@ class RelayResponse(Response):
         if acks is not None and not stalled:
             try:
                 acked, queued = acks.read()
-            except OSError:  # the socket is gone: the disconnect watcher takes it from here
+            except OSError:  # the socket is gone: the disconnect handling takes it from here
                 self._acks = acks = None
             else:
                 if queued == 0 or acked != self._acked:
