@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -295,19 +297,27 @@ async def test_stalled_stream_is_ended_by_the_idle_timeout(sims) -> None:  # typ
         assert g.gw.registry.workers["w0"].in_flight == 0
 
 
+@contextlib.asynccontextmanager
+async def long_stream_started(url: str) -> AsyncIterator[None]:
+    """A 2,000-token stream, three events in; leaving the block hangs up."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+        async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            got = 0
+            async for line in r.aiter_lines():
+                got += line.startswith("data: ")
+                if got >= 3:
+                    break
+            yield
+
+
 async def test_client_disconnect_aborts_the_request_on_the_worker(sims) -> None:  # type: ignore[no-untyped-def]
     fleet = sims(1, profile="default")  # GPU-like timing: 2,000 tokens take many seconds
     async with run_gateway(settings_for(fleet.urls)) as g:
         await g.wait_healthy(1)
         before = aborts(await worker_metrics(fleet.urls[0]))
-        async with httpx.AsyncClient(timeout=30) as c:
-            body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
-            async with c.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
-                got = 0
-                async for line in r.aiter_lines():
-                    got += line.startswith("data: ")
-                    if got >= 3:
-                        break
+        async with long_stream_started(g.url):
+            pass  # hung up after three events
         for _ in range(100):
             m = await worker_metrics(fleet.urls[0])
             if aborts(m) > before:
@@ -329,17 +339,10 @@ async def test_a_stream_needs_no_disconnect_watcher_task_under_kvgates_server(si
     fleet = sims(1, profile="default")
     async with run_gateway(settings_for(fleet.urls)) as g:
         await g.wait_healthy(1)
-        async with httpx.AsyncClient(timeout=30) as c:
-            body = {**CHAT, "stream": True, "max_tokens": 2000, "ignore_eos": True}
-            async with c.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
-                got = 0
-                async for line in r.aiter_lines():
-                    got += line.startswith("data: ")
-                    if got >= 3:
-                        break
-                assert len(g.gw.life.streams) == 1
-                names = [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
-                assert not [n for n in names if n.endswith(".watch")], names
+        async with long_stream_started(g.url):
+            assert len(g.gw.life.streams) == 1
+            names = [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+            assert not [n for n in names if n.endswith(".watch")], names
 
 
 def test_watch_disconnect_says_when_the_server_cannot_report_one() -> None:
