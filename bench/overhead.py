@@ -29,8 +29,10 @@ unmeasured request per user), then run a closed loop for `--warmup` then `--seco
 request is a streaming chat with a unique ~4,000-character prompt (no shared prefix anywhere)
 and `max_tokens` 16. Reported per target and level: req/s (completions
 inside the window), TTFB (to the first SSE event) and e2e p50/p90/p99 of every request in flight
-during the window (nearest rank, bench.metrics), errors by kind, and the router's CPU use (its
-core's busy share: near 100% means the router is the limit, well below means something else is).
+during the window (nearest rank, bench.metrics), errors by kind, the router's CPU use (its
+core's busy share: near 100% means the router is the limit, well below means something else is),
+and for kvgate how long requests waited outside its own TTFT (`outside_ttft`, from its request
+log).
 
 The core layout comes from `os.cpu_count()` (`core_layout`): the router on the last core; on 2
 cores the fleet and one load generator share core 0, and the table says the fleet may be the
@@ -540,6 +542,9 @@ class Samples:
     completed: int = 0
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    # (kvgate's request id, TTFB) of the measured requests that carried one: matched with the
+    # gateway's request log, they show how long a request waited outside the gateway's own TTFT.
+    gateway_ids: list[tuple[str, float]] = field(default_factory=list)
 
     def error(self, kind: str) -> None:
         self.errors += 1
@@ -550,6 +555,7 @@ class Samples:
         self.e2e += other.e2e
         self.completed += other.completed
         self.errors += other.errors
+        self.gateway_ids += other.gateway_ids
         for k, v in other.error_kinds.items():
             self.error_kinds[k] = self.error_kinds.get(k, 0) + v
         return self
@@ -609,9 +615,11 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
             }
         ).encode()
 
-    async def one(session: aiohttp.ClientSession) -> tuple[float, float, str]:
-        """(TTFB, e2e, error kind or "") of one request (bench.sse_client, byte mode)."""
+    async def one(session: aiohttp.ClientSession) -> tuple[float, float, str, str | None]:
+        """(TTFB, e2e, error kind or "", kvgate's request id) of one request (bench.sse_client,
+        byte mode)."""
         res = await stream(session, url, body(), headers, parse=False, catch=LADDER_ERRORS)
+        rid = res.headers.get(GATEWAY_ID_HEADER) if res.headers is not None else None
         e2e = res.e2e if res.e2e is not None else time.perf_counter() - res.sent_at
         if isinstance(res.exc, TimeoutError):
             kind = "timeout"
@@ -623,7 +631,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
             kind = "stream ended without [DONE]"
         else:
             kind = ""
-        return res.ttfb or 0.0, e2e, kind
+        return res.ttfb or 0.0, e2e, kind, rid
 
     async def connect(session: aiohttp.ClientSession, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -631,7 +639,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
 
     async def user(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < t_end:
-            ttfb, e2e, kind = await one(session)
+            ttfb, e2e, kind, rid = await one(session)
             t1 = time.monotonic()
             if t1 >= t_measure:
                 if kind:
@@ -639,6 +647,8 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
                 else:
                     out.ttfb.append(ttfb)
                     out.e2e.append(e2e)
+                    if rid is not None:
+                        out.gateway_ids.append((rid, ttfb))
             if not kind and t_measure <= t1 < t_end:
                 out.completed += 1
             if kind:
@@ -669,6 +679,31 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
 
 
 LADDER_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, aiohttp.ClientError)
+GATEWAY_ID_HEADER = "x-kvgate-request-id"
+
+
+def outside_ttft(ids: list[tuple[str, float]], log_lines: list[bytes]) -> dict[str, Any] | None:
+    """How long requests waited outside kvgate's own TTFT: the client's TTFB minus the TTFT the
+    gateway logged for the same request id (its clock starts at the complete request head), in
+    ms, over the requests found in the JSON request log (`log_lines`). What it counts: the
+    connection's accept and the head's read before kvgate's timer, the first event's way back
+    to the client, and the load generator's own delays. None when no request matched (another
+    router, or the log off)."""
+    ttft: dict[str, float] = {}
+    for line in log_lines:
+        if b'"ttft_ms"' not in line or not line.startswith(b"{"):
+            continue
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if rec.get("ttft_ms") is not None and rec.get("request_id"):
+                ttft[rec["request_id"]] = rec["ttft_ms"]
+    gaps = [ttfb * 1e3 - ttft[rid] for rid, ttfb in ids if rid in ttft]
+    if not gaps:
+        return None
+    d = dist(gaps)
+    return {"matched": len(gaps), **{q: round(d[q], 3) for q in ("p50", "p99", "max")}}
+
+
 CONNECTED = "connected"
 
 
@@ -1028,9 +1063,12 @@ def run_ladder_target(
     index: int,
     prog: Progress,
     con: Console,
+    log: Path | None = None,
 ) -> None:
-    """Every level against one started target; per level a line, and the router's CPU use."""
+    """Every level against one started target; per level a line, and the router's CPU use.
+    ``log``: kvgate's output, whose request lines give each level's wait outside its TTFT."""
     flame_at = flame_level(levels, args.flame_at)
+    log_at = 0  # bytes of the log read by the levels before
     for c in levels:
         watch = LevelWatch(pid, args.warmup, args.seconds, prog, f"{t.name} c={c}")
         shot = Shot(
@@ -1061,11 +1099,20 @@ def run_ladder_target(
             row["router_writes_per_request"] = round(io[1] / row["rps"], 2)
         if failures:
             row["loadgen_failures"] = failures
+        if log is not None and samples.gateway_ids:
+            time.sleep(0.2)  # the request log's writer flushes every 50 ms
+            with contextlib.suppress(OSError), log.open("rb") as f:
+                f.seek(log_at)
+                text = f.read()
+                text = text[: text.rfind(b"\n") + 1]  # whole lines; the rest is the next level's
+                log_at += len(text)
+                row["outside_ttft_ms"] = outside_ttft(samples.gateway_ids, text.splitlines())
         t.levels.append(row)
         con.print(
             f"  {t.name:<14} c={c:<5} {row['rps']:8.1f} req/s  TTFB p50/p99 "
             f"{_ms(row['ttfb_ms']['p50'])}/{_ms(row['ttfb_ms']['p99'])} ms  "
-            f"errors {row['errors']}  router CPU {_pct(row['router_cpu'])}",
+            f"errors {row['errors']}  router CPU {_pct(row['router_cpu'])}"
+            + (f"  outside TTFT max {_outside(row)} ms" if row.get("outside_ttft_ms") else ""),
             markup=False,
             highlight=False,
         )
@@ -1121,7 +1168,14 @@ LADDER_COLUMNS: tuple[tuple[str, bool, LevelCell], ...] = (
     ("router\nCPU", False, lambda r: _pct(r.get("router_cpu"))),
     ("CPU ms\n/req", False, lambda r: _cpu_ms(r)),
     ("reads+writes\n/req", True, lambda r: _io(r)),
+    ("outside\nTTFT max", True, lambda r: _outside(r)),
 )
+
+
+def _outside(row: dict[str, Any]) -> str:
+    """The longest a request waited outside kvgate's own TTFT (ms; `outside_ttft`)."""
+    o = row.get("outside_ttft_ms")
+    return "-" if not o else _ms(o["max"])
 
 
 def _io(row: dict[str, Any]) -> str:
@@ -1316,7 +1370,8 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
                         pid = proc.popen.pid
                     else:
                         url, pid = urls[0], fleet[0].popen.pid
-                    run_ladder_target(t, url, pid, gens, levels, args, i, prog, con)
+                    log = proc.log if t.kind == "kvgate" and proc is not None else None
+                    run_ladder_target(t, url, pid, gens, levels, args, i, prog, con, log)
                     t.status = "ok"
                 except Exception as e:  # a target that cannot run is reported, the rest run
                     t.status, t.reason = "failed", str(e)[:600]

@@ -25,6 +25,7 @@ from bench.overhead import (
     closed_loop,
     core_layout,
     ladder_table,
+    outside_ttft,
     split,
     summarize,
     summary_table,
@@ -211,6 +212,7 @@ def _row(c: int) -> dict[str, Any]:
         "router_cpu": 0.987,
         "router_reads_per_request": 18.26,
         "router_writes_per_request": 17.2,
+        "outside_ttft_ms": {"matched": 99, "p50": 1.5, "p99": 456.7, "max": 8765.4},
     }
 
 
@@ -254,8 +256,26 @@ def test_ladder_table_fits_100_columns_with_every_digit() -> None:
     assert "gone" not in out  # skipped targets are listed after the table, not as rows
     assert "bottleneck" in out  # the 2-core caption
     assert "18.3+17.2" not in out  # syscalls per request: --wide only
+    assert "8765.4" not in out  # the wait outside kvgate's TTFT: --wide only
     wide = _render(ladder_table(REPORT, wide=True))
     assert "…" not in wide and "23456.8" in wide and "56789.0" in wide and "18.3+17.2" in wide
+    assert "8765.4" in wide
+
+
+def test_outside_ttft_matches_the_client_ttfb_with_the_gateways_request_log() -> None:
+    lines = [
+        b'{"ts":"x","msg":"request","request_id":"kvg-a","ttft_ms":10.0,"e2e_ms":20.0}',
+        b'{"ts":"x","msg":"request","request_id":"kvg-b","ttft_ms":5.0}',
+        b'{"ts":"x","msg":"request","request_id":"kvg-c","ttft_ms":null}',  # a whole response
+        b"INFO something else",
+        b'{"ts":"x","msg":"request","request_id":"kvg-d","ttft_ms": 1.0',  # cut off: skipped
+    ]
+    ids = [("kvg-a", 0.0125), ("kvg-b", 1.005), ("kvg-c", 0.5), ("kvg-d", 0.1), ("nope", 9.0)]
+    out = outside_ttft(ids, lines)
+    assert out is not None
+    assert out["matched"] == 2
+    assert out["p50"] == pytest.approx(2.5) and out["max"] == pytest.approx(1000.0)
+    assert outside_ttft([("nope", 1.0)], lines) is None
 
 
 def test_summary_table_fits_100_columns() -> None:
@@ -303,4 +323,12 @@ def test_a_tiny_ladder_writes_the_json_and_the_plot(tmp_path: Path) -> None:
             least = 1.5 if name == "kvgate" else 0.8
             assert r["router_reads_per_request"] >= least, r
             assert r["router_writes_per_request"] >= least, r
+            # kvgate's request log names each request: the client's TTFB minus the gateway's
+            # own TTFT (its clock starts later and stops earlier) is never negative.
+            out = r.get("outside_ttft_ms")
+            if name == "kvgate":
+                assert out is not None and out["matched"] >= r["measured"] // 2, r
+                assert 0 <= out["p50"] <= out["p99"] <= out["max"], out
+            else:
+                assert out is None, r
     assert out_png.stat().st_size > 0
