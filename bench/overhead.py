@@ -1100,11 +1100,8 @@ def run_ladder_target(
         if failures:
             row["loadgen_failures"] = failures
         if log is not None and samples.gateway_ids:
-            time.sleep(0.2)  # the request log's writer flushes every 50 ms
-            with contextlib.suppress(OSError), log.open("rb") as f:
-                f.seek(log_at)
-                text = f.read()
-                text = text[: text.rfind(b"\n") + 1]  # whole lines; the rest is the next level's
+            with contextlib.suppress(OSError):
+                text = _log_since(log, log_at)
                 log_at += len(text)
                 row["outside_ttft_ms"] = outside_ttft(samples.gateway_ids, text.splitlines())
         t.levels.append(row)
@@ -1170,6 +1167,22 @@ LADDER_COLUMNS: tuple[tuple[str, bool, LevelCell], ...] = (
     ("reads+writes\n/req", True, lambda r: _io(r)),
     ("outside\nTTFT max", True, lambda r: _outside(r)),
 )
+
+
+def _log_since(log: Path, at: int, quiet_s: float = 0.1, limit_s: float = 3.0) -> bytes:
+    """The whole lines written to ``log`` past byte ``at``, once it stopped growing for
+    ``quiet_s`` (the request log's writer flushes every 50 ms; a busy host delays it)."""
+    size, deadline = -1, time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        now = log.stat().st_size
+        if now == size:
+            break
+        size = now
+        time.sleep(quiet_s)
+    with log.open("rb") as f:
+        f.seek(at)
+        text = f.read()
+    return text[: text.rfind(b"\n") + 1]  # a line still being written is the next level's
 
 
 def _outside(row: dict[str, Any]) -> str:
