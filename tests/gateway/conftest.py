@@ -165,8 +165,12 @@ async def run_gateway(
         yield RunningGateway(f"http://127.0.0.1:{port}", app.state.gateway, server)
     finally:
         server.should_exit = True
-        await task
+        # Bounded, so a shutdown that hangs names itself instead of running into the suite's
+        # timeout (uvicorn's grace here is 1 s, then Gateway.stop, each of whose steps is bounded).
+        _done, stuck = await asyncio.wait({task}, timeout=30)
         sock.close()
+        assert not stuck, "the gateway did not stop within 30 s of should_exit"
+        task.result()
 
 
 # A scripted worker: fixed SSE bytes cut at awkward places, to prove the relay is byte-exact.
@@ -248,5 +252,9 @@ async def run_scripted_worker(burst: bool = False) -> AsyncIterator[tuple[str, l
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
     finally:
         server.should_exit = True
-        await task
+        # Bounded, so a shutdown that hangs names itself instead of running into the suite's
+        # timeout (uvicorn's grace here is 1 s, then Gateway.stop, each of whose steps is bounded).
+        _done, stuck = await asyncio.wait({task}, timeout=30)
         sock.close()
+        assert not stuck, "the gateway did not stop within 30 s of should_exit"
+        task.result()
