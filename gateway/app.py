@@ -55,7 +55,7 @@ from gateway.metrics import (
 )
 from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.server import HEAD_AT, unwatch_disconnect, watch_disconnect
+from gateway.server import HEAD_AT, DisconnectWatch
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
 from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
@@ -533,31 +533,11 @@ class Gateway:
         """
         me = asyncio.current_task()
         assert me is not None and self.proxy is not None
-        gone = False
-
-        def lost() -> None:
-            nonlocal gone
-            gone = True
-            me.cancel()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            lost()
-
-        # kvgate's server calls back on a disconnect (gateway.server.watch_disconnect). Under
-        # another server a watcher task starts only if the dispatch is still waiting after a
-        # moment: most requests get their first byte sooner, and a timer handle costs a
-        # fraction of a task (bench/overhead.py: a task per request took 20% off requests/s at
-        # 16 in flight).
-        receive = request.receive
-        watcher: list[asyncio.Task[None]] = []
-        timer: asyncio.TimerHandle | None = None
-        if not watch_disconnect(receive, lost):
-            loop = asyncio.get_running_loop()
-            timer = loop.call_later(
-                _WATCH_AFTER_S, lambda: watcher.append(loop.create_task(watch()))
-            )
+        # Under another server than kvgate's, the watcher task starts only if the dispatch is
+        # still waiting after a moment: most requests get their first byte sooner, and a timer
+        # handle costs a fraction of a task (bench/overhead.py: a task per request took 20% off
+        # requests/s at 16 in flight).
+        watch = DisconnectWatch(request.receive, me, _WATCH_AFTER_S)
         try:
             adm = self.admission.settings
             # The last await before the proxy picks a worker (see gateway.admission): the room
@@ -584,7 +564,7 @@ class Gateway:
                 self.autoscale.observe_ttft(call.model, call.ttft)  # streams return at 1st byte
             return resp
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise
             me.uncancel()
             self.metrics.client_disconnects.inc()
@@ -595,9 +575,4 @@ class Gateway:
                 code="client_closed_request",
             ) from None
         finally:
-            if timer is None:
-                unwatch_disconnect(receive)
-            else:
-                timer.cancel()
-            for t in watcher:
-                t.cancel()
+            watch.stop()

@@ -26,7 +26,7 @@ from gateway.client_socket import AckProbe
 from gateway.config import TimeoutSettings
 from gateway.errors import sse_error_event
 from gateway.metrics import BatchedHistogram
-from gateway.server import unwatch_disconnect, watch_disconnect
+from gateway.server import DisconnectWatch
 from gateway.upstream import UpstreamResponse, UpstreamStreamError
 from workers.worker import Worker
 
@@ -83,8 +83,7 @@ class RelayResponse(Response):
         self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4, timeouts.idle_s / 4))
         self._last_chunk = 0.0  # perf_counter of the worker's last chunk (or the stream start)
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._watcher: asyncio.Task[None] | None = None  # another server's disconnect watcher
-        self._receive: Receive | None = None
+        self._watch: DisconnectWatch | None = None  # a client that leaves cancels the stream
         self._settling = False  # _complete is running: the stall check must not cancel it
         self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
         # The ``send`` to find the probe by, at the first stall check: most streams end sooner.
@@ -106,24 +105,8 @@ class RelayResponse(Response):
         call = self._call
         me = asyncio.current_task()
         assert me is not None
-        gone = False
-
-        def lost() -> None:
-            nonlocal gone
-            gone = True
-            me.cancel()
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            lost()
-
-        # The pump runs in this task and a disconnect cancels it: kvgate's server calls back
-        # (gateway.server.watch_disconnect); under another server a helper task waits for
-        # http.disconnect.
-        self._receive = receive
-        if not watch_disconnect(receive, lost):
-            self._watcher = asyncio.get_running_loop().create_task(watch())
+        # The pump runs in this task, and a client that leaves cancels it.
+        watch = self._watch = DisconnectWatch(receive, me)
         streams = self._life.streams
         streams[me] = self
         try:
@@ -135,10 +118,10 @@ class RelayResponse(Response):
             )
             await self._pump(send)
         except asyncio.CancelledError:
-            if self.stalled and not gone:
+            if self.stalled and not watch.gone:
                 me.uncancel()
                 self._client_stalled(call)
-            elif self.cut is not None and not gone:
+            elif self.cut is not None and not watch.gone:
                 me.uncancel()
                 if not self._ended:  # else [DONE] is out: only the upstream's tail was left
                     call.outcome = "gateway_shutdown"
@@ -147,18 +130,18 @@ class RelayResponse(Response):
                         err = sse_error_event(self.cut, "server_error", 503)
                         await self._send(send, self._take_out() + err)
                         await self._end(send)
-            elif not gone:
+            elif not watch.gone:
                 raise
             else:
                 me.uncancel()
         except OSError:  # the socket died under a send
-            gone = True
+            watch.gone = True
         finally:
             if self._stall_timer is not None:
                 self._stall_timer.cancel()
             streams.pop(me, None)
-            self._unwatch()
-            if gone:
+            watch.stop()
+            if watch.gone:
                 call.outcome = "client_disconnect"
                 self._life.metrics.client_disconnects.inc()
             if self._done:
@@ -174,7 +157,8 @@ class RelayResponse(Response):
         """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
         disconnect watch stops and the stall check holds off first, and a cancel either
         already requested is taken now, so the cleanup in ``__call__`` settles instead."""
-        self._unwatch()
+        if self._watch is not None:
+            self._watch.stop()
         me = asyncio.current_task()
         if me is not None and me.cancelling():
             await asyncio.sleep(0)  # delivers the pending CancelledError
@@ -183,13 +167,6 @@ class RelayResponse(Response):
             await self._complete()
         finally:
             self._settling = False
-
-    def _unwatch(self) -> None:
-        """The client's disconnect no longer cancels the stream."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-        else:
-            unwatch_disconnect(self._receive)
 
     async def _complete(self) -> None:
         """Free the worker slot, settle and record the request; once, at [DONE] or at the end."""

@@ -33,7 +33,7 @@ import logging
 import resource
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import httptools
@@ -85,31 +85,66 @@ _REFUSED = _envelope_response(
 )
 
 
-def watch_disconnect(receive: Any, lost: Callable[[], None]) -> bool:
-    """Run ``lost`` once when the client of the request behind ``receive`` goes away; at once
-    when it is gone already. False when the server cannot report it (another server, or a
-    wrapped ``receive``): the caller then watches with a task awaiting ``http.disconnect``.
+class DisconnectWatch:
+    """Cancels ``task`` once the client of the request behind ``receive`` goes away (at once
+    when it is gone already); ``gone`` then says why the task was cancelled. ``stop()`` ends the
+    watch (the task's work no longer depends on the client, or is over).
 
-    A task per request that sits in ``receive()`` only to learn of a disconnect cost a task
-    creation, two steps and a cancellation on every stream; here the protocol's
-    ``connection_lost`` calls back, and watching is two attribute writes.
+    Under this module's protocol, ``connection_lost`` (and a refusal mid-request) calls back:
+    watching is two attribute writes. A task per request that sat in ``receive()`` only to learn
+    of a disconnect cost a task creation, two steps and a cancellation on every stream; other
+    servers (or a wrapped ``receive``) still get one, started after ``fallback_after_s``.
     """
-    cycle = getattr(receive, "__self__", None)
-    if cycle is None or not hasattr(cycle, "kvgate_lost"):
-        return False
-    if cycle.disconnected:
-        lost()
-        return True
-    cycle.kvgate_lost = lost
-    cycle.flow.resume_reading()  # as receive() does: a paused socket would not see the close
-    return True
 
+    __slots__ = ("_cycle", "_receive", "_task", "_timer", "_watcher", "gone")
 
-def unwatch_disconnect(receive: Any) -> None:
-    """Stop the callback `watch_disconnect` armed (the request no longer needs it)."""
-    cycle = getattr(receive, "__self__", None)
-    if cycle is not None and getattr(cycle, "kvgate_lost", None) is not None:
-        cycle.kvgate_lost = None
+    def __init__(self, receive: Any, task: asyncio.Task[Any], fallback_after_s: float = 0.0):
+        self.gone = False
+        self._task: asyncio.Task[Any] | None = task
+        self._receive = receive
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        cycle = self._cycle = getattr(receive, "__self__", None)
+        if cycle is not None and hasattr(cycle, "kvgate_lost"):
+            if cycle.disconnected:
+                self.lost()
+            else:
+                cycle.kvgate_lost = self.lost
+                cycle.flow.resume_reading()  # as receive() does: a paused socket misses a close
+            return
+        self._cycle = None
+        loop = asyncio.get_running_loop()
+        if fallback_after_s > 0:
+            self._timer = loop.call_later(fallback_after_s, self._start_watcher)
+        else:
+            self._start_watcher()
+
+    def lost(self) -> None:
+        if self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    def _start_watcher(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(self.watch())
+
+    async def watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.lost()
+
+    def stop(self) -> None:
+        """The client's disconnect no longer cancels the task (idempotent)."""
+        self._task = None
+        cycle = self._cycle
+        if cycle is not None and cycle.kvgate_lost is not None:
+            cycle.kvgate_lost = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
 
 class ConnectionGuard:
@@ -190,10 +225,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._tell_lost()
 
     def _tell_lost(self) -> None:
-        """Run the request's disconnect callback (`watch_disconnect`) once its client is gone."""
+        """Run the request's disconnect callback (`DisconnectWatch`) once its client is gone."""
         cycle = self.cycle
         if cycle is not None and cycle.disconnected:
-            lost = getattr(cycle, "kvgate_lost", None)
+            lost = getattr(cycle, "kvgate_lost", None)  # DisconnectWatch.lost
             if lost is not None:
                 cycle.kvgate_lost = None
                 lost()
@@ -267,7 +302,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         _on_headers_complete(self)
         if self.cycle is not None:
-            self.cycle.kvgate_lost = None  # this cycle reports its disconnect (watch_disconnect)
+            self.cycle.kvgate_lost = None  # this cycle reports its disconnect (DisconnectWatch)
 
     def _upgrade_requested(self) -> None:
         """No protocol upgrade is served here (websockets are off, h2c is not supported), and the

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.server import GuardedHttpProtocol, unwatch_disconnect, watch_disconnect
+from gateway.server import DisconnectWatch, GuardedHttpProtocol
 from tests.gateway.conftest import (
     MODEL,
     SCRIPTED_EVENTS,
@@ -334,7 +334,7 @@ async def test_client_disconnect_aborts_the_request_on_the_worker(sims) -> None:
 
 
 async def test_a_stream_needs_no_disconnect_watcher_task_under_kvgates_server(sims) -> None:  # type: ignore[no-untyped-def]
-    # The server calls back on a disconnect (watch_disconnect), so a stream is its request's
+    # The server calls back on a disconnect (DisconnectWatch), so a stream is its request's
     # task alone; the disconnect tests above show the callback still cancels it.
     fleet = sims(1, profile="default")
     async with run_gateway(settings_for(fleet.urls)) as g:
@@ -345,14 +345,30 @@ async def test_a_stream_needs_no_disconnect_watcher_task_under_kvgates_server(si
             assert not [n for n in names if n.endswith(".watch")], names
 
 
-def test_watch_disconnect_says_when_the_server_cannot_report_one() -> None:
+async def test_under_another_server_a_watcher_task_reports_the_disconnect() -> None:
+    # A receive the server cannot call back through (any other ASGI server): no callback is
+    # armed, a watcher task waits for http.disconnect and then cancels the watched task.
+    left = asyncio.Event()
+
     async def receive() -> dict[str, str]:
+        await left.wait()
         return {"type": "http.disconnect"}
 
-    called: list[bool] = []
-    assert watch_disconnect(receive, lambda: called.append(True)) is False
-    unwatch_disconnect(receive)  # nothing armed: a no-op
-    assert not called
+    async def work() -> None:
+        await asyncio.sleep(30)
+
+    task = asyncio.create_task(work())
+    watch = DisconnectWatch(receive, task)
+    await asyncio.sleep(0)
+    assert not watch.gone and not task.done()
+    names = [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+    assert [n for n in names if n.endswith(".watch")], names
+    left.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert watch.gone
+    watch.stop()  # nothing left to stop: a no-op
+    watch.stop()
 
 
 async def test_unhealthy_worker_stops_getting_traffic_and_comes_back(sims) -> None:  # type: ignore[no-untyped-def]
