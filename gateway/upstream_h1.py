@@ -394,9 +394,8 @@ class H1Upstream:
         return True
 
     async def _acquire(self, key: tuple[str, int]) -> _Conn:
-        c = self._pop_idle(key, time.monotonic())
-        if c is not None:
-            return c
+        """A connection to ``key`` when the caller found none idle: a new one, or one that comes
+        back while waiting for a free slot."""
         while self._open >= self.max_connections and not self._close_oldest_idle():
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
