@@ -289,9 +289,7 @@ def learned_state(state: RoutingState) -> dict[str, Any]:
     index = state.index
     per_worker: dict[str, list[tuple[int, int]]] = {}
     for name in index.workers():
-        slot = index._slot[name]
-        lru = index._lru[slot]
-        per_worker[name] = list(lru.items()) if lru else []
+        per_worker[name] = index.lru_entries(name)
     return {
         "index": {k: v for k, v in sorted(per_worker.items()) if v},
         "fill": {k: v for k, v in sorted(index.fill.items()) if v},

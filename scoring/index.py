@@ -1,8 +1,8 @@
 """Which worker holds which prefix blocks: the approximate index (what the gateway sent where).
 
-Shape: ``hash -> bitmask of worker slots`` for lookups, plus one LRU (an ``OrderedDict``) per
-worker sized to what that worker's KV cache can hold, so the index never claims more than a worker
-can keep. ``match`` answers, for every worker at once, how many leading blocks of a chain it holds.
+Shape: ``hash -> bitmask of worker slots`` for lookups, plus one LRU per worker sized to what that
+worker's KV cache can hold, so the index never claims more than a worker can keep. ``match``
+answers, for every worker at once, how many leading blocks of a chain it holds.
 
 The invariant that makes ``match`` cheap: every worker's set of blocks is *prefix-closed* (if it
 holds block i of a chain it holds blocks 0..i-1). ``record`` keeps it by touching a chain tail
@@ -14,15 +14,23 @@ block: ~2*log2(n) lookups per distinct match length instead of n (3 us for a 256
 64 workers). A KV-event fed ("precise") index may lack the property and would walk the chain; it
 only has to offer the same ``match``.
 
-Time: recording a prompt no worker holds (the overhead ladder's unique ~4,000-character
-prompts: 62 entries, and as many evicted once the worker is full) is 35-60 us per request with one
-worker and 72-92 us with six at 16,384 blocks each (2-core VM, 2026-11-25): cold dict and
-OrderedDict entries, so memory-bound and growing with the fleet's total index. A mypyc-compiled
-build of this module measured the same; fewer entries per request is the lever, not bytecode.
+Runs. A worker's LRU orders *runs*, not blocks: a run is a stretch of one chain recorded (touched)
+together, its blocks in chain order, the deepest the least recent. That is the order a per-block
+LRU would have, so eviction trims the oldest run from its deep end and the index holds exactly
+what a block LRU would; but a prompt no worker holds costs one LRU entry instead of one per block
+(the overhead ladder's unique ~4,000-character prompts: 62). A chain that shares only part of a
+run splits it where they part: the shared head moves to the recent end as a run of its own, the
+rest stays where it was. Each run carries the stamp of the record that last touched it, which is
+what lets ``unrecord`` take back exactly what a refused request added and nobody has used since.
+
+Time: recording a prompt no worker holds is ~50% cheaper than with an ``OrderedDict`` entry per
+block (the holder masks are still one dict entry per block, set and cleared), and what is left is
+memory-bound (cold dict entries): it grows with the fleet's total index. A mypyc-compiled build
+of the per-block index measured the same as interpreted; fewer entries per request is the lever.
 
 Memory, measured with tracemalloc on CPython 3.11 (tests/scoring/test_index.py keeps it honest):
-~190 bytes per (worker, block) entry when no other worker holds the block (OrderedDict node and
-slot, holders-dict slot and mask, the 64-bit hash int), ~117 bytes when the block is shared. The
+at most ~190 bytes per (worker, block) entry when no other worker holds the block (holders-dict
+slot and mask, the 64-bit hash int, its slot in its run), ~117 bytes when the block is shared. The
 index is bounded by ``BYTES_PER_ENTRY * sum(capacities)``; ``max_capacity`` caps each worker
 whatever it reports: 64 workers at the default 32,768-block cap (512k tokens each) is at most
 ~400 MB, at the 16,384-block default for workers that report nothing ~200 MB.
@@ -31,13 +39,31 @@ whatever it reports: 64 workers at the default 32,768-block cap (512k tokens eac
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict, deque
+import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 __all__ = ["BYTES_PER_ENTRY", "PrefixIndex"]
 
 BYTES_PER_ENTRY = 200
 """Upper bound on memory per (worker, block) entry (measured ~190 B unshared, ~117 B shared)."""
+
+
+class _Run:
+    """A stretch of one chain a worker holds, touched together: ``hashes`` in chain order (the
+    last is the least recently used), ``weights`` per entry in blocks or None when all are 1,
+    ``weight`` their sum, ``stamp`` the record that last touched it."""
+
+    __slots__ = ("hashes", "rid", "stamp", "weight", "weights")
+
+    def __init__(
+        self, rid: int, hashes: list[int], weights: list[int] | None, weight: int, stamp: int
+    ) -> None:
+        self.rid = rid
+        self.hashes = hashes
+        self.weights = weights
+        self.weight = weight
+        self.stamp = stamp
 
 
 class PrefixIndex:
@@ -55,9 +81,13 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}
         self._slot: dict[str, int] = {}
         self._names: list[str | None] = []
-        self._lru: list[OrderedDict[int, int] | None] = []  # hash -> weight in blocks
-        self._used: list[int] = []  # blocks held per slot (sum of its LRU's weights)
+        self._lru: list[OrderedDict[int, _Run] | None] = []  # run id -> run, least recent first
+        self._starts: list[dict[int, _Run] | None] = []  # a run's first hash -> the run
+        self._used: list[int] = []  # blocks held per slot (sum of its runs' weights)
+        self._count: list[int] = []  # entries held per slot
         self._cap: dict[str, int] = {}
+        self._ids = itertools.count(1)  # run ids
+        self._stamp = 0  # records so far: a run's stamp says which touched it last
         # Share of each worker's capacity in use, kept current for the scorer, which reads it for
         # every candidate of every decision (a dict read, not a method call).
         self.fill: dict[str, float] = {}
@@ -70,12 +100,15 @@ class PrefixIndex:
                 slot = self._names.index(None)
                 self._names[slot] = worker
                 self._lru[slot] = OrderedDict()
-                self._used[slot] = 0
+                self._starts[slot] = {}
+                self._used[slot] = self._count[slot] = 0
             except ValueError:
                 slot = len(self._names)
                 self._names.append(worker)
                 self._lru.append(OrderedDict())
+                self._starts.append({})
                 self._used.append(0)
+                self._count.append(0)
             self._slot[worker] = slot
         return slot
 
@@ -99,8 +132,21 @@ class PrefixIndex:
 
     def entries(self, worker: str) -> int:
         slot = self._slot.get(worker)
+        return 0 if slot is None else self._count[slot]
+
+    def lru_entries(self, worker: str) -> list[tuple[int, int]]:
+        """``(hash, weight)`` of every entry ``worker`` holds, least recently used first: what a
+        per-block LRU would list, for comparing two indexes (replicas) by what they know."""
+        slot = self._slot.get(worker)
         lru = None if slot is None else self._lru[slot]
-        return 0 if lru is None else len(lru)
+        if not lru:
+            return []
+        out = []
+        for run in lru.values():
+            ws = run.weights
+            hs = run.hashes
+            out += [(hs[i], ws[i] if ws else 1) for i in range(len(hs) - 1, -1, -1)]
+        return out
 
     def __len__(self) -> int:
         """Distinct entries held by any worker."""
@@ -121,23 +167,26 @@ class PrefixIndex:
         if slot is not None:
             self._names[slot] = None
             self._lru[slot] = None
+            self._starts[slot] = None
 
     # -- updates -----------------------------------------------------------------------------
     def record(
         self, worker: str, chain: Sequence[int], *, dense: int = 0, tail_ends: Sequence[int] = ()
-    ) -> int:
+    ) -> tuple[int, int]:
         """The gateway sent ``chain`` to ``worker``: it holds (or will hold) those blocks now.
 
         With ``tail_ends`` (``scoring.prefix.tail_layout``) entries from index ``dense`` on are
-        tail spans weighing the blocks they cover; without it every entry is one block. Touched tail
-        first so that the chain's head ends up most recently used (see the module docstring); a
-        chain heavier than the worker's capacity keeps its head, the part other requests share.
+        tail spans weighing the blocks they cover; without it every entry is one block. The new
+        entries become one run, then the held head's runs are touched deepest first, so that the
+        chain's head ends up most recently used (see the module docstring); a chain heavier than
+        the worker's capacity keeps its head, the part other requests share.
 
-        Returns how many leading entries the worker held already (``unrecord`` takes it back).
+        Returns the receipt ``(held, stamp)``: how many leading entries the worker held already,
+        and this record's stamp (``unrecord`` takes it back with both).
         """
         cap = self.capacity(worker)
         if cap <= 0 or not chain:
-            return len(chain)
+            return len(chain), 0
         n = len(chain)
         if not tail_ends or n <= dense:
             dense, tail_ends = n, ()
@@ -148,84 +197,195 @@ class PrefixIndex:
                 dense, tail_ends = n, ()
         slot = self._slot_of(worker)
         lru = self._lru[slot]
-        assert lru is not None
+        starts = self._starts[slot]
+        assert lru is not None and starts is not None
+        bit = 1 << slot
+        holders = self._holders
+        hget = holders.get
         # Prefix-closed: this worker holds exactly a leading run chain[:k] and none of chain[k:].
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi) >> 1
-            if chain[mid] in lru:
+            if hget(chain[mid], 0) & bit:
                 lo = mid + 1
             else:
                 hi = mid
         k = lo
-        if k < n:  # new entries, tail first
-            bit = 1 << slot
-            holders = self._holders
-            hget = holders.get
-            added = 0
-            for i in range(n - 1, max(k, dense) - 1, -1):  # tail spans, weighed in blocks
-                h = chain[i]
-                j = i - dense
-                lru[h] = w = tail_ends[j] - (tail_ends[j - 1] if j else dense)
+        self._stamp = stamp = self._stamp + 1
+        if k < n:  # the new entries: one run, least recent of what this record touches
+            hashes = chain[k:n]
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            weights: list[int] | None = None
+            added = n - k
+            if n > dense:  # tail spans, weighed in blocks
+                weights = [1] * (dense - k) if k < dense else []
+                for i in range(max(k, dense), n):
+                    j = i - dense
+                    weights.append(tail_ends[j] - (tail_ends[j - 1] if j else dense))
+                added = sum(weights)
+            for h in hashes:
                 holders[h] = hget(h, 0) | bit
-                added += w
-            if k < dense:
-                for h in reversed(chain[k:dense]):
-                    lru[h] = 1
-                    holders[h] = hget(h, 0) | bit
-                added += dense - k
+            run = _Run(next(self._ids), hashes, weights, added, stamp)
+            lru[run.rid] = run
+            starts[hashes[0]] = run
             self._used[slot] += added
-        if k:  # then the held head, so it ends up most recent; a C-level loop (hot prefixes)
-            deque(map(lru.move_to_end, reversed(chain[:k])), 0)
+            self._count[slot] += n - k
+        if k:
+            self._touch(lru, starts, chain, k, stamp)
         if self._used[slot] > cap:
             self._evict_to(slot, cap)
         self.fill[worker] = self._used[slot] / cap
-        return k
+        return k, stamp
 
-    def unrecord(self, worker: str, chain: Sequence[int], held: int) -> None:
+    def _touch(
+        self,
+        lru: OrderedDict[int, _Run],
+        starts: dict[int, _Run],
+        chain: Sequence[int],
+        k: int,
+        stamp: int,
+    ) -> None:
+        """Make the held head ``chain[:k]`` the most recent runs, ``chain[0]``'s last.
+
+        Walks the head run by run: a block where one run ends (or where the chain parts from a
+        run) starts another, since each block lives in one run and a run is a stretch of a chain.
+        A run the chain leaves inside (or whose held head ends inside it) is split there."""
+        touched = []
+        i = 0
+        while i < k:
+            run = starts[chain[i]]
+            hs = run.hashes
+            end = i + len(hs)
+            if end <= k and hs[-1] == chain[end - 1]:  # chained hashes: the whole run is shared
+                run.stamp = stamp
+                touched.append(run.rid)
+                i = end
+                continue
+            lo, hi = i + 1, end if end < k else k  # the last j with hs[:j - i] == chain[i:j]
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if hs[mid - 1 - i] == chain[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            touched.append(self._split(lru, starts, run, lo - i, stamp).rid)
+            i = lo
+        move = lru.move_to_end
+        for rid in reversed(touched):
+            move(rid)
+
+    def _split(
+        self, lru: OrderedDict[int, _Run], starts: dict[int, _Run], run: _Run, m: int, stamp: int
+    ) -> _Run:
+        """Split ``run`` after its first ``m`` entries: the head becomes a new run (at the recent
+        end, stamped ``stamp``); the rest keeps the run's place, id and stamp."""
+        hs = run.hashes
+        head_h, run.hashes = hs[:m], hs[m:]
+        ws = run.weights
+        if ws is None:
+            head_w, weight = None, m
+        else:
+            head_w, run.weights = ws[:m], ws[m:]
+            weight = sum(head_w)
+        run.weight -= weight
+        head = _Run(next(self._ids), head_h, head_w, weight, stamp)
+        lru[head.rid] = head
+        starts[head_h[0]] = head
+        starts[run.hashes[0]] = run
+        return head
+
+    def unrecord(self, worker: str, chain: Sequence[int], receipt: tuple[int, int]) -> None:
         """Take back a ``record`` whose request the worker refused (a 4xx, or a 5xx before any
-        work): the entries past the ``held`` head it returned go, so the index does not credit
-        the worker with a prompt it never computed. What that record evicted stays evicted; an
-        entry another request sharing the chain recorded meanwhile goes too (it is back at that
-        request's next turn)."""
+        work), given its receipt: the entries past the ``held`` head that the record added go,
+        so the index does not credit the worker with a prompt it never computed, but only those
+        no later record has touched since. A request that shared them (another turn on the same
+        prefix) is computing them on that worker now, and taking them back from under it would
+        leave its deeper blocks without their parents. What that record evicted stays evicted.
+        """
         slot = self._slot.get(worker)
-        lru = None if slot is None else self._lru[slot]
-        if lru is None or held >= len(chain):
+        held, stamp = receipt
+        if slot is None or held >= len(chain):
             return
-        assert slot is not None
+        lru = self._lru[slot]
+        starts = self._starts[slot]
+        assert lru is not None and starts is not None
+        along: list[tuple[int, _Run]] = []  # (first position, run) along the chain's held head
+        i, n = 0, len(chain)
+        while i < n:
+            run = starts.get(chain[i])
+            if run is None:
+                break
+            end = i + len(run.hashes)
+            if end > n or run.hashes[-1] != chain[end - 1]:
+                break  # the chain leaves it inside: not this record's (it would have split it)
+            along.append((i, run))
+            i = end
         keep = ~(1 << slot)
         holders = self._holders
-        pop = lru.pop
-        used = self._used[slot]
-        for h in chain[held:]:
-            w = pop(h, None)
-            if w is None:
-                continue
-            used -= w
-            m = holders.get(h, 0) & keep
-            if m:
-                holders[h] = m
-            else:
-                holders.pop(h, None)
-        self._used[slot] = used
+        for i, run in reversed(along):
+            if i < held or run.stamp != stamp:
+                break  # touched since (so is all above it): another request holds it now
+            del lru[run.rid]
+            del starts[run.hashes[0]]
+            self._used[slot] -= run.weight
+            self._count[slot] -= len(run.hashes)
+            for h in run.hashes:
+                m = holders[h] & keep
+                if m:
+                    holders[h] = m
+                else:
+                    del holders[h]
         self._evict_to(slot, self.capacity(worker))  # nothing to evict: it restates the fill
 
     def _evict_to(self, slot: int, cap: int) -> None:
+        """Drop least recently used entries until ``cap`` blocks are left: whole runs, then the
+        deep end of the oldest one (its least recent entries)."""
         lru = self._lru[slot]
-        assert lru is not None
+        starts = self._starts[slot]
+        assert lru is not None and starts is not None
         used = self._used[slot]
+        count = self._count[slot]
         keep = ~(1 << slot)
         holders = self._holders
-        pop = lru.popitem
         while used > cap and lru:
-            h, w = pop(last=False)
-            used -= w
-            m = holders[h] & keep
-            if m:
-                holders[h] = m
+            run = next(iter(lru.values()))
+            hs = run.hashes
+            ws = run.weights
+            m = 0  # entries of it that stay: its head, when part of it fits
+            if used - run.weight < cap:
+                m = len(hs)
+                if ws is None:
+                    m -= used - cap
+                else:
+                    rest = used
+                    while rest > cap:
+                        m -= 1
+                        rest -= ws[m]
+            if m > 0:
+                gone = hs[m:]
+                del hs[m:]
+                lost = len(gone) if ws is None else sum(ws[m:])
+                if ws is not None:
+                    del ws[m:]
+                run.weight -= lost
             else:
-                del holders[h]
-        self._used[slot] = used = used if lru else 0
+                gone = hs
+                lost = run.weight
+                lru.popitem(last=False)
+                del starts[hs[0]]
+            used -= lost
+            count -= len(gone)
+            for h in gone:
+                mm = holders[h] & keep
+                if mm:
+                    holders[h] = mm
+                else:
+                    del holders[h]
+        if not lru:
+            used = count = 0
+        self._used[slot] = used
+        self._count[slot] = count
         name = self._names[slot]
         if name is not None:
             self.fill[name] = used / cap if cap else (1.0 if used else 0.0)

@@ -104,10 +104,11 @@ class RoutingState:
         self._reported.pop(name, None)
 
 
-# What ``_Learning.on_dispatch`` learned from one dispatch, for ``on_refused`` to undo: (leading
-# chain entries the worker held already, ``SessionTable.before`` when the request had a session,
-# the note queued for the other replicas). A plain tuple: a NamedTuple costs ~0.4 us per dispatch.
-Dispatched = tuple[int, tuple[Any, Any] | None, Learned | None]
+# What ``_Learning.on_dispatch`` learned from one dispatch, for ``on_refused`` to undo: (the
+# index's receipt for the record, ``PrefixIndex.record``'s (held, stamp), ``SessionTable.before``
+# when the request had a session, the note queued for the other replicas). Plain tuples: a
+# NamedTuple costs ~0.4 us per dispatch.
+Dispatched = tuple[tuple[int, int], tuple[Any, Any] | None, Learned | None]
 
 
 class _Learning:
@@ -146,7 +147,7 @@ class _Learning:
 
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> Dispatched:
         state = self.state
-        held = len(request.chain)
+        held = (len(request.chain), 0)  # nothing recorded: nothing to take back
         if self.needs_chain and request.chain:
             held = state.index.record(
                 worker_name, request.chain, dense=request.dense_blocks, tail_ends=request.tail_ends

@@ -78,14 +78,44 @@ def test_unrecord_takes_back_what_a_refused_record_added_and_keeps_the_held_head
     idx.record("a", shared)
     idx.record("b", shared)
     long = ids_chain(1, 2, 3, 4, 5)
-    held = idx.record("a", long)
-    assert held == 2 and idx.match(long) == {"a": 5, "b": 2} and idx.size("a") == 5
-    idx.unrecord("a", long, held)  # the worker refused it: only the new tail goes
+    receipt = idx.record("a", long)
+    assert receipt[0] == 2 and idx.match(long) == {"a": 5, "b": 2} and idx.size("a") == 5
+    idx.unrecord("a", long, receipt)  # the worker refused it: only the new tail goes
     assert idx.match(long) == {"a": 2, "b": 2} and idx.size("a") == 2
     assert idx.fill["a"] == 2 / 100 and idx.holders(long[4]) == []
-    assert idx.record("a", long) == 2  # and it can be learned again
-    assert idx.record("c", []) == 0 and idx.record("c", long) == 0
-    idx.unrecord("never-seen", long, 0)  # a worker it knows nothing of: nothing to take back
+    assert idx.record("a", long)[0] == 2  # and it can be learned again
+    assert idx.record("c", [])[0] == 0 and idx.record("c", long)[0] == 0
+    idx.unrecord("never-seen", long, (0, 1))  # a worker it knows nothing of: nothing to take back
+
+
+def test_unrecord_keeps_what_a_later_request_shares_so_no_block_loses_its_parent() -> None:
+    # B is sent first and refused only after A, sharing B's first two blocks, went to the same
+    # worker: A computes those two itself, so they stay; only B's own third block goes. Taking
+    # all three back left A's blocks 3-4 without their parents, and A's next record raised.
+    idx = PrefixIndex(default_capacity=100)
+    b, a = ids_chain(1, 2, 5), ids_chain(1, 2, 3, 4)
+    receipt_b = idx.record("w", b)
+    assert idx.record("w", a)[0] == 2
+    idx.unrecord("w", b, receipt_b)
+    assert idx.match(a) == {"w": 4} and idx.match(b) == {"w": 2} and idx.size("w") == 4
+    assert idx.record("w", a)[0] == 4 and idx.entries("w") == 4
+    # a record that touched the refused one's blocks since (a retry of the same prompt) keeps them
+    receipt = idx.record("w", b)
+    idx.record("w", b)
+    idx.unrecord("w", b, receipt)
+    assert idx.match(b) == {"w": 3}
+
+
+def test_a_run_split_where_two_chains_part_keeps_block_lru_order() -> None:
+    idx = PrefixIndex(default_capacity=6)
+    x, y = ids_chain(1, 2, 3, 4), ids_chain(1, 2, 9)
+    idx.record("a", x)  # one run: 1 2 3 4
+    idx.record("a", y)  # splits it: [1 2] recent, [3 4] stays older than y's [9]
+    assert idx.entries("a") == 5 and idx.match(x) == {"a": 4}
+    idx.record("a", ids_chain(7, 7, 7))  # needs 3 blocks, 2 must go: 4 and 3 (the oldest)
+    assert idx.match(x) == {"a": 2} and idx.match(y) == {"a": 3} and idx.size("a") == 6
+    idx.record("a", ids_chain(8))  # then 9, before the shared 1 2 touched after it
+    assert idx.match(y) == {"a": 2} and idx.entries("a") == 6
 
 
 def test_capacity_per_worker_and_shrinking_evicts_at_once() -> None:
@@ -171,6 +201,8 @@ class Reference:
         self.capacity, self.dense = capacity, dense
         self.ends = tail_layout(dense, ratio, 64) if ratio else ()
         self.lru: dict[str, OrderedDict[int, int]] = {}
+        self.stamps: dict[str, dict[int, int]] = {}  # the record that last touched each entry
+        self.records = 0
 
     def weight(self, i: int) -> int:
         if i < self.dense or not self.ends:
@@ -178,8 +210,10 @@ class Reference:
         j = i - self.dense
         return self.ends[j] - (self.ends[j - 1] if j else self.dense)
 
-    def record(self, worker: str, chain: list[int]) -> None:
+    def record(self, worker: str, chain: list[int]) -> int:
         lru = self.lru.setdefault(worker, OrderedDict())
+        stamps = self.stamps.setdefault(worker, {})
+        self.records += 1
         kept, total = [], 0
         for i, h in enumerate(chain):  # the heaviest head that fits
             if total + self.weight(i) > self.capacity:
@@ -189,8 +223,20 @@ class Reference:
         for h, w in reversed(kept):
             lru[h] = w
             lru.move_to_end(h)
+            stamps[h] = self.records
         while sum(lru.values()) > self.capacity:
             lru.popitem(last=False)
+        return self.records
+
+    def unrecord(self, worker: str, chain: list[int], held: int, stamp: int) -> None:
+        """Deepest first: drop what that record touched last, stop at what another touched."""
+        lru, stamps = self.lru.get(worker, OrderedDict()), self.stamps.get(worker, {})
+        for h in reversed(chain[held:]):
+            if h not in lru:
+                continue
+            if stamps[h] != stamp:
+                break
+            del lru[h]
 
     def size(self, worker: str) -> int:
         return sum(self.lru.get(worker, {}).values())
@@ -237,6 +283,16 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             assert 0 <= got.get(worker, 0) < len(chain)
 
+    @rule(worker=st.sampled_from(WORKERS), chain=chains, later=st.lists(chains, max_size=3))
+    def refused(self, worker: str, chain: list[int], later: list[list[int]]) -> None:
+        """A record the worker refuses after `later` records (on any worker) came in between."""
+        receipt = self.idx.record(worker, chain, dense=self.dense, tail_ends=self.ref.ends)
+        stamp = self.ref.record(worker, chain)
+        for i, other in enumerate(later):
+            self.record(WORKERS[(WORKERS.index(worker) + i) % 2], other)
+        self.idx.unrecord(worker, chain, receipt)
+        self.ref.unrecord(worker, chain, receipt[0], stamp)
+
     @rule(chain=chains)
     def match(self, chain: list[int]) -> None:
         got = self.idx.match(chain)
@@ -263,6 +319,8 @@ class IndexMachine(RuleBasedStateMachine):
                 assert self.idx.size(w) <= self.capacity
                 assert self.idx.size(w) == self.ref.size(w)
                 assert self.idx.entries(w) == len(self.ref.lru.get(w, ()))
+                # the very order a per-block LRU keeps, weights included
+                assert self.idx.lru_entries(w) == list(self.ref.lru.get(w, {}).items())
             # no entry is claimed by nobody, none outlives every holder
             distinct = set().union(*(set(lru) for lru in self.ref.lru.values()))
             assert len(self.idx) == len(distinct)
