@@ -49,6 +49,17 @@ BYTES_PER_ENTRY = 200
 """Upper bound on memory per (worker, block) entry (measured ~190 B unshared, ~117 B shared)."""
 
 
+def _let_go(holders: dict[int, int], hashes: list[int], keep: int) -> None:
+    """A worker let go of ``hashes``: ``keep`` (every bit but its own) on their holder masks.
+    Popped and put back only when another worker still holds one: a block no one else holds
+    costs one hash and lookup (the common case, a prompt sent to one worker), not two."""
+    pop = holders.pop
+    for h in hashes:
+        m = pop(h) & keep
+        if m:
+            holders[h] = m
+
+
 class _Run:
     """A stretch of one chain a worker holds, touched together: ``hashes`` in chain order (the
     last is the least recently used), ``weights`` per entry in blocks or None when all are 1,
@@ -224,8 +235,11 @@ class PrefixIndex:
                     j = i - dense
                     weights.append(tail_ends[j] - (tail_ends[j - 1] if j else dense))
                 added = sum(weights)
+            put = holders.setdefault  # one hash and lookup for a block no one else holds
             for h in hashes:
-                holders[h] = hget(h, 0) | bit
+                m = put(h, bit)
+                if m != bit:
+                    holders[h] = m | bit
             run = _Run(next(self._ids), hashes, weights, added, stamp)
             lru[run.rid] = run
             starts[hashes[0]] = run
@@ -330,12 +344,7 @@ class PrefixIndex:
             del starts[run.hashes[0]]
             self._used[slot] -= run.weight
             self._count[slot] -= len(run.hashes)
-            for h in run.hashes:
-                m = holders[h] & keep
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
+            _let_go(holders, run.hashes, keep)
         self._evict_to(slot, self.capacity(worker))  # nothing to evict: it restates the fill
 
     def _evict_to(self, slot: int, cap: int) -> None:
@@ -376,12 +385,7 @@ class PrefixIndex:
                 del starts[hs[0]]
             used -= lost
             count -= len(gone)
-            for h in gone:
-                mm = holders[h] & keep
-                if mm:
-                    holders[h] = mm
-                else:
-                    del holders[h]
+            _let_go(holders, gone, keep)
         if not lru:
             used = count = 0
         self._used[slot] = used
