@@ -24,6 +24,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "spike": ("bench.spike", "overload: a spike to 5x capacity, admission on vs off"),
     "soak": ("bench.soak", "80% of capacity for 10 min: RSS growth, latency drift, leftovers"),
     "overhead": ("bench.overhead", "latency kvgate adds, relay capacity, quotas on vs off"),
+    "instructions": ("bench.instructions", "instructions per request (callgrind), vs peers"),
     "routing_speed": ("bench.routing_speed", "routing decision time per fleet size and prompt"),
     "quota_speed": ("bench.quota_speed", "cost of a quota check (memory and Redis stores)"),
     "sim_speed": ("bench.sim_speed", "how fast the virtual clock replays a whole trace"),
