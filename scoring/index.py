@@ -42,6 +42,7 @@ import bisect
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import repeat
 
 __all__ = ["BYTES_PER_ENTRY", "PrefixIndex"]
 
@@ -51,13 +52,15 @@ BYTES_PER_ENTRY = 200
 
 def _let_go(holders: dict[int, int], hashes: list[int], keep: int) -> None:
     """A worker let go of ``hashes``: ``keep`` (every bit but its own) on their holder masks.
-    Popped and put back only when another worker still holds one: a block no one else holds
-    costs one hash and lookup (the common case, a prompt sent to one worker), not two."""
-    pop = holders.pop
-    for h in hashes:
-        m = pop(h) & keep
-        if m:
-            holders[h] = m
+    All popped in one C-level pass, and put back only where another worker still holds one: a
+    block no one else holds (a prompt sent to one worker, the common case) costs one hash and
+    lookup and no bytecode."""
+    masks = list(map(holders.pop, hashes))
+    bit = ~keep
+    if masks.count(bit) != len(masks):
+        for h, m in zip(hashes, masks, strict=True):
+            if m != bit:
+                holders[h] = m & keep
 
 
 class _Run:
@@ -235,11 +238,13 @@ class PrefixIndex:
                     j = i - dense
                     weights.append(tail_ends[j] - (tail_ends[j - 1] if j else dense))
                 added = sum(weights)
-            put = holders.setdefault  # one hash and lookup for a block no one else holds
-            for h in hashes:
-                m = put(h, bit)
-                if m != bit:
-                    holders[h] = m | bit
+            # One C-level pass: a block no one else holds gets its mask (one hash and lookup);
+            # the few held elsewhere get this worker's bit added after.
+            masks = list(map(holders.setdefault, hashes, repeat(bit)))
+            if masks.count(bit) != len(masks):
+                for h, m in zip(hashes, masks, strict=True):
+                    if m != bit:
+                        holders[h] = m | bit
             run = _Run(next(self._ids), hashes, weights, added, stamp)
             lru[run.rid] = run
             starts[hashes[0]] = run
