@@ -67,6 +67,59 @@ class BatchedHistogram:
         self._n = 0
 
 
+class BatchedCounter:
+    """A labelled counter child counted in plain Python, handed to prometheus_client when the
+    registry is collected (or the worker's series are dropped). ``inc`` on the child checks the
+    metric's type and takes its lock, ~0.5 us; a walk counts three or more per request."""
+
+    __slots__ = ("_child", "_n")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._n = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._n += amount
+
+    def flush(self) -> None:
+        if self._n:
+            self._child.inc(self._n)
+            self._n = 0.0
+
+
+class BatchedGauge:
+    """A labelled gauge child set in plain Python (the last ``set`` and the moves since), handed
+    to prometheus_client when the registry is collected; ``set`` on the child takes its lock, and
+    the walk sets the worker's in-flight gauge twice per request."""
+
+    __slots__ = ("_child", "_delta", "_value")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._value: float | None = None
+        self._delta = 0.0
+
+    def set(self, value: float) -> None:
+        self._value = value
+        self._delta = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self._delta += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self._delta -= amount
+
+    def flush(self) -> None:
+        if self._value is not None:
+            self._child.set(self._value)
+            self._value = None
+        if self._delta:
+            self._child.inc(self._delta)
+            self._delta = 0.0
+
+
 if TYPE_CHECKING:
     from gateway.admission import AdmissionController
     from workers.kv_intake import KVEventFleet
@@ -96,6 +149,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._batched: dict[tuple[int, tuple[str, ...]], BatchedHistogram] = {}
+        self._deferred: list[BatchedCounter | BatchedGauge] = []  # batched children of child()
         r = self.registry = CollectorRegistry(auto_describe=True)
         r.register(_FlushFirst(self))
         self.requests = Counter(
@@ -283,11 +337,20 @@ class GatewayMetrics:
         )
 
     def child(self, metric: Any, *labels: str) -> Any:
-        """A labelled child, cached: `labels()` costs microseconds per call on the hot path."""
+        """A labelled child, cached: `labels()` costs microseconds per call on the hot path.
+        A counter's or gauge's is batched (`BatchedCounter`, `BatchedGauge`): exact whenever
+        the registry is collected, which is how everything reads it."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
-            c = self._children[key] = metric.labels(*labels)
+            c = metric.labels(*labels)
+            if isinstance(metric, Counter):
+                c = BatchedCounter(c)
+                self._deferred.append(c)
+            elif isinstance(metric, Gauge):
+                c = BatchedGauge(c)
+                self._deferred.append(c)
+            self._children[key] = c
         return c
 
     def batched(self, metric: Histogram, *labels: str) -> BatchedHistogram:
@@ -302,6 +365,8 @@ class GatewayMetrics:
     def flush(self) -> None:
         for b in self._batched.values():
             b.flush()
+        for c in self._deferred:
+            c.flush()
 
     def export_health(self, name: str, health: Health) -> None:
         """A worker's health as `kvgate_worker_up` and one-hot `kvgate_worker_state`."""
@@ -311,7 +376,11 @@ class GatewayMetrics:
 
     def forget_worker(self, name: str, states: list[str]) -> None:
         """Drop a removed worker's series so dashboards do not show ghosts."""
+        self.flush()  # what the worker's batched series hold goes in before they are dropped
         self._children = {k: v for k, v in self._children.items() if name not in k[1]}
+        self._deferred = [
+            c for c in self._children.values() if isinstance(c, (BatchedCounter, BatchedGauge))
+        ]
         for g in (self.in_flight, self.worker_up):
             with contextlib.suppress(KeyError):
                 g.remove(name)

@@ -56,3 +56,38 @@ def test_observations_reach_a_scrape_before_the_stream_ends() -> None:
     assert 'gap_seconds_count{model="m"} 64.0' in text  # one batch flushed, 36 still local
     batched.flush()
     assert 'gap_seconds_count{model="m"} 100.0' in generate_latest(rb).decode()
+
+
+def test_batched_counters_and_gauges_show_every_write_at_collection() -> None:
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    w = m.child(m.in_flight, "w0")
+    w.set(3)
+    w.inc()
+    w.set(5)  # a set replaces what came before it ...
+    w.inc(2)
+    w.dec()  # ... and moves after it add up
+    for _ in range(3):
+        m.child(m.requests, "sim", "w0", "200").inc()
+    m.child(m.tenant_tokens, "a", "reserved").inc(40)
+    get = m.registry.get_sample_value
+    assert get("kvgate_worker_in_flight", {"worker": "w0"}) == 6
+    assert get("kvgate_requests_total", {"model": "sim", "worker": "w0", "status": "200"}) == 3
+    assert get("kvgate_tenant_tokens_total", {"tenant": "a", "kind": "reserved"}) == 40
+    assert (
+        get("kvgate_worker_in_flight", {"worker": "w0"}) == 6
+    )  # collecting again adds nothing twice
+    m.child(m.requests, "sim", "w0", "200").inc()
+    m.forget_worker("w0", [])  # a removed worker's pending counts are not lost on the way out
+    assert get("kvgate_requests_total", {"model": "sim", "worker": "w0", "status": "200"}) == 4
+
+
+def test_a_batched_counter_refuses_to_go_down_as_prometheus_does() -> None:
+    import pytest
+
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    with pytest.raises(ValueError, match="non-negative"):
+        m.child(m.requests, "sim", "w0", "200").inc(-1)
