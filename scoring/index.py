@@ -276,7 +276,9 @@ class PrefixIndex:
         touched = []
         i = 0
         while i < k:
-            run = starts[chain[i]]
+            run = starts.get(chain[i])
+            if run is None:  # cannot happen while the sets stay prefix-closed; never raise here
+                break
             hs = run.hashes
             end = i + len(hs)
             if end <= k and hs[-1] == chain[end - 1]:  # chained hashes: the whole run is shared
