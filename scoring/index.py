@@ -52,6 +52,10 @@ __all__ = ["BYTES_PER_ENTRY", "PrefixIndex"]
 BYTES_PER_ENTRY = 200
 """Upper bound on memory per (worker, block) entry (measured ~190 B unshared, ~117 B shared)."""
 
+# Record stamps, unique across every index of the process: a receipt from an index that a config
+# reload replaced (``RoutingState.configure``) can never match a run of its successor.
+_STAMPS = itertools.count(1)
+
 
 def _let_go(holders: dict[int, int], hashes: list[int], keep: int) -> None:
     """A worker let go of ``hashes``: ``keep`` (every bit but its own) on their holder masks.
@@ -104,7 +108,6 @@ class PrefixIndex:
         self._count: list[int] = []  # entries held per slot
         self._cap: dict[str, int] = {}
         self._ids = itertools.count(1)  # run ids
-        self._stamp = 0  # records so far: a run's stamp says which touched it last
         # Share of each worker's capacity in use, kept current for the scorer, which reads it for
         # every candidate of every decision (a dict read, not a method call).
         self.fill: dict[str, float] = {}
@@ -228,7 +231,7 @@ class PrefixIndex:
             else:
                 hi = mid
         k = lo
-        self._stamp = stamp = self._stamp + 1
+        stamp = next(_STAMPS)
         if k < n:  # the new entries: one run, least recent of what this record touches
             hashes = chain[k:n]
             if type(hashes) is not list:

@@ -328,3 +328,14 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_index_matches_reference_model = IndexMachine.TestCase
+
+
+def test_a_receipt_from_a_replaced_index_takes_nothing_back_from_its_successor() -> None:
+    # A config reload rebuilds the index while requests are in flight; one of them refused later
+    # hands its old receipt to the new index, which must not read it as one of its own records.
+    old, new = PrefixIndex(default_capacity=100), PrefixIndex(default_capacity=100)
+    c = ids_chain(1, 2, 3)
+    receipt = old.record("w", c)
+    new.record("w", c)
+    new.unrecord("w", c, receipt)
+    assert new.match(c) == {"w": 3}
