@@ -15,7 +15,7 @@ its fewer instructions, and under valgrind the router runs ~50x slower, so work 
 would. `bench overhead`'s CPU ms per request on a quiet machine stays the figure of record; this
 is the instrument for deciding between two versions of the code (run it before and after), and
 for a like-for-like look at how much work a peer does on the same requests. On 2026-11-25 (one
-simulated worker, 600 requests at 16 in flight) the two agreed: kvgate 1.26x smg's instructions
+simulated worker, 600 requests at 16 in flight) the two agreed: kvgate 1.27x smg's instructions
 per request where `bench overhead` measured 1.25-1.39x smg's CPU time the day before.
 
 Setup: one simulated worker (`kvgate sim --profile instant`) on the first core, the router on the
