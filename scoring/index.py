@@ -57,17 +57,41 @@ BYTES_PER_ENTRY = 200
 _STAMPS = itertools.count(1)
 
 
-def _let_go(holders: dict[int, int], hashes: list[int], keep: int) -> None:
-    """A worker let go of ``hashes``: ``keep`` (every bit but its own) on their holder masks.
-    All popped in one C-level pass, and put back only where another worker still holds one: a
-    block no one else holds (a prompt sent to one worker, the common case) costs one hash and
-    lookup and no bytecode."""
+def _let_go(holders: dict[int, int], hashes: list[int], bit: int) -> None:
+    """A worker (``bit``) let go of ``hashes``: its bit leaves their holder masks. All popped in
+    one C-level pass, and put back only where another worker still holds one: a block no one
+    else holds (a prompt sent to one worker, the common case) costs one hash and lookup and no
+    bytecode."""
     masks = list(map(holders.pop, hashes))
-    bit = ~keep
     if masks.count(bit) != len(masks):
+        keep = ~bit
         for h, m in zip(hashes, masks, strict=True):
             if m != bit:
                 holders[h] = m & keep
+
+
+def _along(
+    starts: dict[int, _Run], chain: Sequence[int], i: int, limit: int
+) -> tuple[_Run | None, int]:
+    """The run that starts at ``chain[i]`` and where, up to ``limit``, the chain stops agreeing
+    with it: a block where one run ends, or where the chain parts from it, starts another, since
+    each block lives in one run and a run is a stretch of a chain. Chained hashes make one
+    compare of the run's last block enough when the whole run is shared."""
+    run = starts.get(chain[i])
+    if run is None:
+        return None, i
+    hs = run.hashes
+    end = i + len(hs)
+    if end <= limit and hs[-1] == chain[end - 1]:
+        return run, end
+    lo, hi = i + 1, end if end < limit else limit  # the last j with hs[:j - i] == chain[i:j]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if hs[mid - 1 - i] == chain[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return run, lo
 
 
 class _Run:
@@ -271,33 +295,21 @@ class PrefixIndex:
         k: int,
         stamp: int,
     ) -> None:
-        """Make the held head ``chain[:k]`` the most recent runs, ``chain[0]``'s last.
-
-        Walks the head run by run: a block where one run ends (or where the chain parts from a
-        run) starts another, since each block lives in one run and a run is a stretch of a chain.
-        A run the chain leaves inside (or whose held head ends inside it) is split there."""
+        """Make the held head ``chain[:k]`` the most recent runs, ``chain[0]``'s last: walked
+        run by run (``_along``); a run the chain leaves inside (or whose held head ends inside
+        it) is split there."""
         touched = []
         i = 0
         while i < k:
-            run = starts.get(chain[i])
+            run, j = _along(starts, chain, i, k)
             if run is None:  # cannot happen while the sets stay prefix-closed; never raise here
                 break
-            hs = run.hashes
-            end = i + len(hs)
-            if end <= k and hs[-1] == chain[end - 1]:  # chained hashes: the whole run is shared
+            if j - i == len(run.hashes):
                 run.stamp = stamp
                 touched.append(run.rid)
-                i = end
-                continue
-            lo, hi = i + 1, end if end < k else k  # the last j with hs[:j - i] == chain[i:j]
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if hs[mid - 1 - i] == chain[mid - 1]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            touched.append(self._split(lru, starts, run, lo - i, stamp).rid)
-            i = lo
+            else:
+                touched.append(self._split(lru, starts, run, j - i, stamp).rid)
+            i = j
         move = lru.move_to_end
         for rid in reversed(touched):
             move(rid)
@@ -340,15 +352,12 @@ class PrefixIndex:
         along: list[tuple[int, _Run]] = []  # (first position, run) along the chain's held head
         i, n = 0, len(chain)
         while i < n:
-            run = starts.get(chain[i])
-            if run is None:
-                break
-            end = i + len(run.hashes)
-            if end > n or run.hashes[-1] != chain[end - 1]:
+            run, j = _along(starts, chain, i, n)
+            if run is None or j - i != len(run.hashes):
                 break  # the chain leaves it inside: not this record's (it would have split it)
             along.append((i, run))
-            i = end
-        keep = ~(1 << slot)
+            i = j
+        bit = 1 << slot
         holders = self._holders
         for i, run in reversed(along):
             if i < held or run.stamp != stamp:
@@ -357,7 +366,7 @@ class PrefixIndex:
             del starts[run.hashes[0]]
             self._used[slot] -= run.weight
             self._count[slot] -= len(run.hashes)
-            _let_go(holders, run.hashes, keep)
+            _let_go(holders, run.hashes, bit)
         self._evict_to(slot, self.capacity(worker))  # nothing to evict: it restates the fill
 
     def _evict_to(self, slot: int, cap: int) -> None:
@@ -368,7 +377,7 @@ class PrefixIndex:
         assert lru is not None and starts is not None
         used = self._used[slot]
         count = self._count[slot]
-        keep = ~(1 << slot)
+        bit = 1 << slot
         holders = self._holders
         while used > cap and lru:
             run = next(iter(lru.values()))
@@ -398,7 +407,7 @@ class PrefixIndex:
                 del starts[hs[0]]
             used -= lost
             count -= len(gone)
-            _let_go(holders, gone, keep)
+            _let_go(holders, gone, bit)
         if not lru:
             used = count = 0
         self._used[slot] = used
