@@ -14,12 +14,13 @@ its fewer instructions, and under valgrind the router runs ~50x slower, so work 
 (timers, the request log's writer thread, the config watcher) weighs more per request than it
 would. `bench overhead`'s CPU ms per request on a quiet machine stays the figure of record; this
 is the instrument for deciding between two versions of the code (run it before and after), and
-for a like-for-like look at how much work a peer does on the same requests. On 2026-11-25 (one
-simulated worker, 600 requests at 16 in flight) the two agreed: kvgate 1.27x smg's instructions
-per request where `bench overhead` measured 1.25-1.39x smg's CPU time the day before.
+for a like-for-like look at how much work a peer does on the same requests. On 2026-11-25 it gave
+kvgate 1.19x smg's instructions per request at commit 5a4b95c, where `bench overhead` had
+measured 1.25-1.39x smg's CPU time the day before.
 
-Setup: one simulated worker (`kvgate sim --profile instant`) on the first core, the router on the
-last one under `valgrind --tool=callgrind --instr-atstart=no`, warmed with `--warmup` requests;
+Setup: one simulated worker (`kvgate sim --profile instant`, started as `bench overhead` starts
+it) on the first core, the router on the last one under `valgrind --tool=callgrind
+--instr-atstart=no`, warmed with `--warmup` requests;
 then counting is switched on (`callgrind_control -i on`) for `--requests` requests at
 `--concurrency` in flight (a closed loop; unique ~4,000-character prompts, `max_tokens` 16, as
 `bench overhead` sends), switched off, and the count dumped. kvgate runs its default config (the
@@ -51,9 +52,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from bench.metrics import machine
-from bench.overhead import MODEL, Prompts, kvgate_default_toml
+from bench.overhead import MODEL, CoreLayout, Prompts, kvgate_default_toml, start_sim_fleet
 from bench.paths import out_path, shown
-from bench.peers import HOST, PEERS, Proc, ensure_peer, free_ports, start, wait_for, warm
+from bench.peers import (
+    HOST,
+    PEERS,
+    Proc,
+    ensure_peer,
+    free_ports,
+    peer_command,
+    start,
+    wait_for,
+    warm,
+)
 
 _TOTAL = re.compile(r"^totals:\s+(\d+)", re.M)
 _ANNOTATED = re.compile(r"^\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(\S.*?)\s*$")
@@ -193,16 +204,11 @@ def _kvgate(
 
 
 def _peer(name: str, sim: str, venv: Path) -> tuple[list[str], str, dict[str, str] | None]:
-    port = free_ports(1)
-    prom = free_ports(1)
-    while prom == port:
-        prom = free_ports(1)
-    argv = PEERS[name].argv(venv, port, prom, [sim])
+    argv, url, env = peer_command(PEERS[name], venv, [sim])
     with open(argv[0], "rb") as f:  # a console script: valgrind runs its interpreter
         if f.read(2) == b"#!":
             argv = [str(venv / "bin" / "python"), *argv]
-    env = {"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
-    return argv, f"http://{HOST}:{port}", env
+    return argv, url, env
 
 
 def table(report: dict[str, Any]) -> Table:
@@ -300,16 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         con.print(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}")
         return 2
-    sim_port = free_ports(1)
-    sim_argv = [
-        *(sys.executable, "-m", "gateway.cli", "sim", "--host", HOST, "--port", str(sim_port)),
-        *("--workers", "1", "--profile", "instant", "--model", MODEL, "--max-num-seqs", "1024"),
-    ]
-    sim = start("sim", sim_argv, out_dir / "logs", cores=[cpus[0]])
-    sim_url = f"http://{HOST}:{sim_port}"
+    layout = CoreLayout(len(cpus), cpus[-1], (frozenset({cpus[0]}),), (), True)
+    sims, urls = start_sim_fleet(layout, out_dir / "logs")
+    sim_url = urls[0]
     results: list[dict[str, Any]] = []
     try:
-        wait_for(lambda: warm(sim_url), sim, 60, "sim")
         cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with Progress(*cols, TimeElapsedColumn(), console=con) as prog:
             for name in names:
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
                     results.append({"name": name, "status": f"failed: {e}"[:300]})
     finally:
-        sim.stop()
+        for p in sims:
+            p.stop()
     report = {
         "tool": "instructions",
         "machine": machine(),

@@ -272,6 +272,16 @@ def installed_version(peer: Peer, venv: Path) -> str | None:
     return None
 
 
+def peer_command(peer: Peer, venv: Path, urls: list[str]) -> tuple[list[str], str, dict[str, str]]:
+    """The peer's command line against `urls` on free ports, the URL it will serve, and the
+    environment it runs in (its virtualenv first on PATH)."""
+    port, prom = free_ports(1), free_ports(1)
+    while prom == port:
+        prom = free_ports(1)
+    env = {"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
+    return peer.argv(venv, port, prom, urls), f"http://{HOST}:{port}", env
+
+
 def start_peer(
     peer: Peer,
     venv: Path,
@@ -281,12 +291,8 @@ def start_peer(
     ready_timeout: float = 90.0,
 ) -> tuple[Proc, str]:
     """Launch the peer against `urls` and wait until it routes one real completion."""
-    port, prom = free_ports(1), free_ports(1)
-    while prom == port:
-        prom = free_ports(1)
-    env = {"PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}", "NO_COLOR": "1"}
-    proc = start(peer.name, peer.argv(venv, port, prom, urls), logs, env, cores)
-    url = f"http://{HOST}:{port}"
+    argv, url, env = peer_command(peer, venv, urls)
+    proc = start(peer.name, argv, logs, env, cores)
     try:
         wait_for(lambda: warm(url), proc, ready_timeout, peer.name)
     except BaseException:
