@@ -113,18 +113,34 @@ class Tenants:
         )
 
 
+# Message fields that carry media, not text: an image's base64 is not its token count (vLLM
+# counts an image as its own number of tokens, which this estimate does not try to know).
+_MEDIA_KEYS = frozenset({"image_url", "input_audio", "audio_url", "video_url", "file", "image"})
+
+
+def _rendered_chars(obj: Any) -> int:
+    """Characters of every string in a message (keys' values, list items), media left out."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_rendered_chars(v) for k, v in obj.items() if k not in _MEDIA_KEYS)
+    if isinstance(obj, list):
+        return sum(_rendered_chars(v) for v in obj)
+    return 0
+
+
 def estimate_prompt_tokens(path_is_chat: bool, data: dict[str, Any], chars_per_token: float) -> int:
     """Cheap upper-ish estimate (no tokenizer): chars / chars_per_token, exact for token ids."""
     if path_is_chat:
         n = 0
         for m in data.get("messages") or ():
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                n += len(c)
-            elif isinstance(c, list):
-                for part in c:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        n += len(part["text"])
+            if isinstance(m, dict):
+                c = m.get("content")
+                # Plain text content (the common case) without the walk; anything else counts
+                # every string the template may render: text, refusal and thinking parts, tool
+                # calls' arguments, names. Counting only `text` parts let ~10k tokens of
+                # `refusal` parts or tool-call arguments past `max_input_tokens` as ~8.
+                n += len(c) if isinstance(c, str) and len(m) <= 2 else _rendered_chars(m)
             n += 8  # role markers of the chat template
         if data.get("tools"):
             n += len(str(data["tools"]))

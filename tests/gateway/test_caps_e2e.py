@@ -31,6 +31,7 @@ from gateway.tenancy import (
     estimate_prompt_tokens,
     output_tokens,
 )
+from gateway.validate import parse_request
 from tests.gateway.conftest import MODEL, RunningGateway, run_gateway, settings_for
 
 CHAT = "/v1/chat/completions"
@@ -177,6 +178,47 @@ def test_the_prompt_estimate_counts_every_prompt_of_a_list() -> None:
     one = estimate_prompt_tokens(False, {"prompt": "abcd" * 100}, 4.0)
     assert estimate_prompt_tokens(False, {"prompt": ["abcd" * 100] * 3}, 4.0) == 3 * one
     assert estimate_prompt_tokens(False, {"prompt": [[1, 2, 3], [4, 5]]}, 4.0) == 5
+
+
+_BIG = "lorem ipsum " * 3400  # ~40k characters: ~10k tokens at 4 characters per token
+_RENDERED_ELSEWHERE = {
+    # vLLM renders these into the prompt as text too, not only `content` and `text` parts.
+    "refusal_part": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": _BIG}]},
+    ],
+    "thinking_part": [{"role": "user", "content": [{"type": "thinking", "thinking": _BIG}]}],
+    "tool_call_arguments": [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": _BIG}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_RENDERED_ELSEWHERE))
+def test_max_input_tokens_counts_every_text_the_template_renders(case: str) -> None:
+    # Counting only `content` strings and `text` parts estimated each of these ~10k-token
+    # prompts at 3-8 tokens: past `max_input_tokens`, and almost free against the TPM.
+    body = {"model": MODEL, "messages": _RENDERED_ELSEWHERE[case], "max_tokens": 8}
+    data = parse_request(CHAT, orjson.dumps(body)).data  # a body the gateway accepts
+    est = estimate_prompt_tokens(True, data, 4.0)
+    assert est >= len(_BIG) // 4
+    with pytest.raises(APIError) as e:
+        apply_caps(tenant(max_input_tokens=2000), MODEL, data, est, is_chat=True)
+    assert e.value.status == 400
+
+
+def test_an_images_bytes_are_not_counted_as_prompt_text() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 40_000}}
+    msg = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}
+    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0) < 20
 
 
 @pytest.mark.parametrize(
