@@ -38,6 +38,8 @@ from workers.registry import Registry
 from workers.worker import Worker
 
 log = logging.getLogger("kvgate.proxy")
+# Settlements of whole responses whose client left mid-way, kept referenced until they end.
+_SETTLING: set[asyncio.Future[None]] = set()
 
 
 class Proxy:
@@ -230,7 +232,16 @@ class Proxy:
                 call.usage = Usage.from_json(orjson.loads(body).get("usage"))
         call.outcome = "ok" if resp.status == 200 else "upstream_4xx"
         self.life.succeeded(worker)
-        await self.life.finish(call)
+        # A client that hangs up now cancels this task (the dispatch's disconnect watch), and a
+        # settlement cancelled half way leaks the tenant's lease until its TTL: it finishes on
+        # its own task whatever happens to this one.
+        done = asyncio.ensure_future(self.life.finish(call))
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            _SETTLING.add(done)
+            done.add_done_callback(_SETTLING.discard)
+            raise
         headers["content-type"] = resp.headers.get("content-type", "application/json")
         return Response(body, resp.status, headers=headers)
 
