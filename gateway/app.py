@@ -77,6 +77,7 @@ log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
 
 
 def _base_model(w: Worker) -> str | None:
@@ -487,9 +488,14 @@ class Gateway:
             await self.settlement.refund(call, ticket)
             raise
         except APIError as e:
-            if call is not None and call.upstream_sent and not call.stream:
-                # A non-streaming request cut off while a worker generated it (total timeout,
-                # client gone): the compute was spent, so it is settled, not refunded.
+            if (
+                call is not None
+                and call.upstream_sent
+                and (not call.stream or e.status == _CLIENT_CLOSED)
+            ):
+                # Cut off while a worker had it (a whole response's total timeout, a client
+                # gone, a stream's before its first token): the compute was spent, so it is
+                # settled (gateway.settlement.charge says what it costs), not refunded.
                 call.status = e.status
                 call.outcome = "upstream_timeout" if e.status == 504 else "client_disconnect"
                 await self.life.finish(call)
@@ -569,7 +575,7 @@ class Gateway:
             me.uncancel()
             self.metrics.client_disconnects.inc()
             raise APIError(
-                499,
+                _CLIENT_CLOSED,
                 "Client closed the connection before the response started",
                 "invalid_request_error",
                 code="client_closed_request",

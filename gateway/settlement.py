@@ -3,8 +3,9 @@ record. The one place that decides what a finished, broken, cut-off or refused r
 
 What is charged, in order of what is known:
 * the worker's reported usage (prompt + completion, cached prompt tokens discounted per tenant);
-* a stream that broke before its usage chunk: the prompt estimate plus the events streamed
-  (role, usage and [DONE] events are not tokens);
+* a stream that broke before its usage chunk, or whose client left after the worker had it
+  (before its first token too): the prompt estimate plus the events streamed (role, usage and
+  [DONE] events are not tokens), as the quota conventions settle a disconnect;
 * a whole (non-streaming) response cut off while the worker generated it: how far the worker got
   is unknowable, so the reservation (prompt + output cap) is what it may have spent; exact billing
   of cut-off work needs `stream: true`;
@@ -30,7 +31,10 @@ def charge(account: Account, call: Call) -> int | None:
     if u is not None:
         discount = account.tenant.cfg.cached_token_discount
         return u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens)
-    if call.events > 0 and call.stream:
+    if call.stream and (call.events > 0 or call.outcome == "client_disconnect"):
+        # Streamed so far, or nothing yet from a worker that had the prompt: a client that
+        # hangs up before the first token still cost a prefill (free, it was a way to fire
+        # unlimited prefills at a rate-limited key).
         return account.prompt_estimate + max(0, call.events - 2)
     if not call.stream and call.outcome in CUT_OFF:
         t = account.ticket

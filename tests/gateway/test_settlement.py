@@ -37,6 +37,11 @@ def test_a_stream_broken_before_its_usage_pays_prompt_plus_streamed_tokens() -> 
     assert charge(account(), call(events=1, outcome="client_disconnect")) == 100
 
 
+def test_a_stream_abandoned_before_its_first_token_pays_its_prompt() -> None:
+    # The worker had the prompt (the walk settles only then): its prefill was spent.
+    assert charge(account(), call(events=0, outcome="client_disconnect")) == 100
+
+
 def test_a_whole_response_cut_off_mid_generation_pays_its_reservation() -> None:
     for outcome in ("upstream_timeout", "client_disconnect"):
         assert charge(account(), call(stream=False, outcome=outcome)) == 900
