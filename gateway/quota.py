@@ -27,8 +27,9 @@ Semantics the gateway and the tests rely on (both backends implement exactly the
   or nothing is charged: a refused request consumes nothing, so rejections never eat RPM.
 * Settlement is exactly-once per request id. `settle` moves the TPM state by
   `actual - reserved` (back for a refund, forward for debt) and frees the lease.
-  `release(refund_all=False)` is for failures the client caused (disconnect before the first
-  token, an upstream 4xx): tokens are refunded, the attempt still counts against RPM, as
+  `release(refund_all=False)` is for failures the client caused (an upstream 4xx; a client
+  gone once a worker had the request is settled with its prompt, gateway.settlement): tokens
+  are refunded, the attempt still counts against RPM, as
   OpenAI counts attempts. `release(refund_all=True)` is for failures that are the gateway's or
   the upstream's own (no worker, connect error, 5xx before any token): the request's RPM cell is
   refunded too, because the tenant got nothing and did nothing wrong.
