@@ -29,6 +29,12 @@ Wiring (for gateway/app.py)
       ``in_flight`` only grows when the proxy picks a worker: await ``admit()`` as the last await
       before ``proxy.forward()`` (synchronous up to ``Lifecycle.dispatched``), or a slot can be
       given twice. With a bool predicate, waiters are released one per event-loop turn (safe).
+      Those grants are counted across all pools, not per pool: pools can share workers (a base
+      model and its LoRA adapters are models served by the same worker), and a per-pool count
+      gave one free slot once per pool. A pool held back only by another pool's grants is kicked
+      again as soon as they are used (the next loop turn), so disjoint pools lose nothing.
+    * ``has_room`` must report the same room for every waiter of a tier in a pool (the kick stops
+      at the first head without room): gateway/slots.py decides the priority reserve by tier.
     * Call ``kick(model)`` (or ``kick()``) when a request releases its worker and after each
       metrics scrape; it is cheap when nothing is queued.
     * Deadline: ``settings.deadline_s(request.headers.get(settings.deadline_header))``.
@@ -163,8 +169,8 @@ class NullObserver:
 class _Pool:
     name: str
     queue: FairQueue
-    granted: int = 0  # waiters handed a slot that have not resumed (so in_flight lacks them)
     tiers: set[int] = field(default_factory=set)
+    held: bool = False  # its head had room that pending grants (any pool's) held back
 
 
 _MESSAGES = {
@@ -207,6 +213,10 @@ class AdmissionController:
         self.observer: AdmissionObserver = observer or NullObserver()
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
+        # Waiters handed a slot that have not resumed (so in_flight lacks them), in every pool:
+        # pools share workers, so one pool's pending grant may take the slot another pool sees.
+        self._granted = 0
+        self._held: list[_Pool] = []  # pools to kick again once pending grants are used
         self._closed: tuple[str, float] | None = None
         self._bypass = not self.settings.enabled  # disabled or closed: one check on the fast path
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,10 +248,7 @@ class AdmissionController:
                 raise self._closed_error()
             return _FAST
         p = self._pools.get(pool)
-        if p is None:
-            if has_room():
-                return _FAST
-        elif not p.queue._size and has_room() > p.granted:
+        if (p is None or not p.queue._size) and has_room() > self._granted:
             return _FAST
         return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost)
 
@@ -290,10 +297,8 @@ class AdmissionController:
         except asyncio.CancelledError:
             self._abandon(p, e, fut)
             raise
-        p.granted -= 1
-        if p.queue._size:
-            # This task now dispatches synchronously (in_flight grows); then the next may go.
-            loop.call_soon(self._kick_pool, p)
+        # This task now dispatches synchronously (in_flight grows); then the next may go.
+        self._grant_done(p)
         return admitted
 
     def _abandon(self, p: _Pool, e: Entry, fut: asyncio.Future[Admitted]) -> None:
@@ -303,10 +308,28 @@ class AdmissionController:
         elif fut.done() and not fut.cancelled() and fut.exception() is None:
             # Granted, but the client left before using it: pass the slot on. (A refusal's
             # exception was retrieved by the check, so asyncio does not log it as lost.)
-            p.granted -= 1
             self.observer.cancelled(p.name, e.tier, e.wait_s)
-            if self._loop is not None and p.queue._size:
-                self._loop.call_soon(self._kick_pool, p)
+            self._grant_done(p)
+
+    def _grant_done(self, p: _Pool) -> None:
+        """A grant was used (in_flight has it now) or given back: the room it held is either
+        taken or free again, so ``p`` and every pool it held back look again, after the
+        dispatch."""
+        self._granted -= 1
+        loop = self._loop
+        if loop is None:
+            return
+        if self._held:  # first: they were passed over while the grant held their room
+            loop.call_soon(self._kick_held)
+        if p.queue._size:
+            loop.call_soon(self._kick_pool, p)
+
+    def _kick_held(self) -> None:
+        held, self._held = self._held, []
+        for p in held:
+            p.held = False
+            if p.queue._size:
+                self._kick_pool(p)
 
     # -- releasing waiters -----------------------------------------------------------------------
     def kick(self, pool: str | None = None) -> None:
@@ -339,10 +362,13 @@ class AdmissionController:
             except Exception:  # no room: the waiter expires with a 503 instead of leaking a slot
                 log.exception("admission has_room predicate failed")
                 break
-            if room <= p.granted:
+            if room <= self._granted:
+                if room and not p.held:  # room, but pending grants may take it: look again
+                    p.held = True
+                    self._held.append(p)
                 break
             q.pop(now)
-            p.granted += 1
+            self._granted += 1
             fut.set_result(Admitted(e.wait_s, True))
             self.observer.admitted(p.name, e.tier, e.wait_s)
 
@@ -456,7 +482,7 @@ class AdmissionController:
                         q.remove(e, now)
                         continue
                     q.pop(now)
-                    p.granted += 1
+                    self._granted += 1
                     fut.set_result(Admitted(e.wait_s, True))
                     self.observer.admitted(p.name, e.tier, e.wait_s)
 

@@ -375,7 +375,8 @@ class AdmissionSettings(_Section):
     # vLLM's default --max-num-seqs. Beyond it requests wait here, in priority order, rather than
     # in the worker's own FIFO queue.
     worker_concurrency: int = Field(256, ge=1)
-    # Share of the fleet's slots only requests of priority >= reserve_min_priority may take, so
+    # Share of the fleet's slots only requests in reserve_min_priority's admission tier or above
+    # may take (with 10 priority_levels, 0.7's tier starts at 0.65: a tier is queued as one), so
     # latency-sensitive tenants find room in a spike that low-priority traffic already fills;
     # the last free slots stay free for them. 0.3 held high-priority p99 TTFT within 1.2-1.5x
     # of unloaded in a 5x spike (bench/spike.py); 0.1 let it reach 12x.

@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable, Collection, Sequence
 
 from gateway.config import AdmissionSettings, SplitSettings
+from gateway.fair_queue import tier_of
 from scoring.views import RoutingOptions
 from workers.registry import Registry
 from workers.worker import Health, Worker
@@ -40,6 +41,16 @@ class Slots:
         self.reserve_min_priority = admission.reserve_min_priority
         self.saturation_kv = options.saturation_kv
         self.top_priority = top_priority
+        # The reserve is decided on the admission queue's tier, not the raw priority: a tier is
+        # served as one (fair shares, FIFO per tenant), and a waiter the reserve excludes at the
+        # head of a tier would hold back one behind it that may take the reserve, until it timed
+        # out with the reserved slots idle. So the whole tier of reserve_min_priority takes it.
+        # Kept only when some tenant can use it: an open gateway (or one whose tenants all sit
+        # in lower tiers) would otherwise leave that share of the fleet idle.
+        self.priority_levels = levels = admission.priority_levels
+        reserve_tier = tier_of(admission.reserve_min_priority, levels)
+        # 0: no reserve (no tier is below it).
+        self.reserve_tier = reserve_tier if tier_of(top_priority, levels) >= reserve_tier else 0
 
     def worker_room(self, w: Worker) -> int:
         """Requests ``w`` can take now: its concurrency cap minus what is in flight there (every
@@ -82,19 +93,18 @@ class Slots:
 
     def free(self, model: str, priority: float) -> int:
         """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
-        kept for the latency-sensitive tiers)."""
+        kept for the latency-sensitive tiers). The same for every priority of one admission
+        tier, so the queue never finds room for one waiter of a tier and none for another."""
         free = total = 0
         room = self.worker_room
         for w in self.registry.candidates(model):
             total += w.spec.max_concurrency or self.worker_concurrency
             free += room(w)
-        if priority < self.reserve_min_priority <= self.top_priority:
+        if self.reserve_tier and tier_of(priority, self.priority_levels) < self.reserve_tier:
             # Headroom, not a quota: the last free slots stay free for the high tiers whatever
             # they already run. Withholding only the part of the reserve they leave unused was
             # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
             # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
-            # Kept only when some tenant can use it: an open gateway (or one whose tenants are
-            # all below reserve_min_priority) would otherwise leave that share of the fleet idle.
             free -= int(total * self.priority_reserve)
         return free if free > 0 else 0
 

@@ -588,7 +588,7 @@ async def test_a_failing_predicate_means_no_room_not_a_leak() -> None:
         await asyncio.wait_for(
             c.admit(tenant="t", priority=0.5, deadline_s=0.05, has_room=broken), 5
         )
-    assert ei.value.status == 503 and c.queued() == 0 and c._pools[""].granted == 0
+    assert ei.value.status == 503 and c.queued() == 0 and c._granted == 0
 
 
 async def test_deadline_expiry_is_a_503_with_retry_after() -> None:
@@ -790,5 +790,4 @@ async def test_random_traffic_loses_nothing_and_never_oversubscribes(predicate: 
     assert q is not None
     q.check()
     assert all(s in TERMINAL for s in q.outcomes)
-    pool = c._pools[""]
-    assert pool.granted == 0
+    assert c._granted == 0

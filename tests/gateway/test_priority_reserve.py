@@ -3,6 +3,9 @@ whatever they already run (bench/spike.py measured why it is headroom and not a 
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 from gateway.app import Gateway
 from gateway.config import TenantSettings
 from tests.gateway.conftest import MODEL, settings_for
@@ -75,3 +78,43 @@ def test_a_stale_kv_saturation_lapses_as_the_requests_behind_it_finish() -> None
     assert gw.slots.free(MODEL, 0.5) == 4
     w0.in_flight_at_scrape = None  # no scrape to scale from: trust the figure
     assert gw.slots.free(MODEL, 0.5) == 0
+
+
+def test_the_reserve_goes_by_admission_tier_like_the_queue() -> None:
+    # 10 levels: tier 7 holds priorities 0.65..0.75, so with reserve_min_priority 0.7 the whole
+    # tier may take the reserve (the queue serves a tier as one) and tier 6 may not.
+    gw = _gateway()
+    w0, w1 = gw.registry.workers.values()
+    w0.in_flight, w1.in_flight = 4, 2  # 2 free: exactly the reserve
+    assert gw.slots.free(MODEL, 0.65) == gw.slots.free(MODEL, 0.7) == 2
+    assert gw.slots.free(MODEL, 0.64) == 0
+
+
+async def test_a_tier_sharing_the_reserve_is_not_held_up_by_its_lowest_priority_head() -> None:
+    """0.65 and 0.7 share tier 7, queued in that order behind a tier-6 waiter: the 2 reserved
+    slots go to them (the 0.7 one used to wait behind a 0.65 head that saw no room, until its
+    deadline, while those slots sat idle); the tier below still may not take the reserve."""
+    gw = _gateway()
+    w0, w1 = gw.registry.workers.values()
+    w0.in_flight, w1.in_flight = 4, 2
+
+    async def request(priority: float, deadline_s: float) -> None:
+        await gw.admission.admit(
+            tenant=f"p{priority}",
+            priority=priority,
+            deadline_s=deadline_s,
+            has_room=functools.partial(gw.slots.free, MODEL, priority),
+            pool=MODEL,
+        )
+        w1.in_flight += 1  # the dispatch (the proxy picks the worker with room)
+        assert w1.in_flight <= 4
+
+    low = asyncio.create_task(request(0.6, 5.0))
+    await asyncio.sleep(0.01)
+    mid = asyncio.create_task(request(0.65, 5.0))
+    hi = asyncio.create_task(request(0.7, 0.5))
+    await asyncio.wait_for(asyncio.gather(mid, hi), 2)
+    assert not low.done() and gw.admission.queued() == 1 and w1.in_flight == 4
+    low.cancel()
+    await asyncio.gather(low, return_exceptions=True)
+    gw.admission.close()

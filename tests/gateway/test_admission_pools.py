@@ -1,0 +1,188 @@
+"""Admission pools (one per model) that share workers: a worker serving a base model and its LoRA
+adapters counts its free slots in every one of those pools, so a slot granted in one pool is gone
+for the others until the grantee dispatches. And the other side of it: a pool on workers of its
+own must not wait for another pool's grants longer than the loop turn they take to be used.
+
+The real Gateway/Slots/Registry where the sharing comes from the registry; "dispatch" is the
+synchronous ``in_flight += 1`` the proxy does right after admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+from gateway.admission import AdmissionController, AdmissionSettings
+from gateway.app import Gateway
+from gateway.errors import APIError
+from tests.gateway.conftest import MODEL, settings_for
+from workers.worker import Health, Worker
+
+LORA = "sim-llama-lora"
+
+
+def _one_worker_two_models(cap: int, *, recheck_s: float = 10.0) -> tuple[Gateway, Worker]:
+    s = settings_for(["http://127.0.0.1:9"], admission={"recheck_s": recheck_s})
+    s = s.model_copy(
+        update={"workers": [w.model_copy(update={"max_concurrency": cap}) for w in s.workers]}
+    )
+    gw = Gateway(s)
+    (w,) = gw.registry.workers.values()
+    w.health = Health.HEALTHY
+    w.models = frozenset({MODEL, LORA})
+    return gw, w
+
+
+async def _turns(n: int = 10) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_one_freed_slot_is_granted_once_not_once_per_model() -> None:
+    gw, w = _one_worker_two_models(2)
+    w.in_flight = 2  # full
+    peak = 0
+
+    async def request(model: str) -> None:
+        nonlocal peak
+        await gw.admission.admit(
+            tenant="t",
+            priority=0.5,
+            deadline_s=5.0,
+            has_room=functools.partial(gw.slots.free, model, 0.5),
+            pool=model,
+        )
+        w.in_flight += 1  # the dispatch
+        peak = max(peak, w.in_flight)
+
+    tasks = [asyncio.create_task(request(MODEL)), asyncio.create_task(request(LORA))]
+    await _turns()
+    assert gw.admission.queued() == 2
+    w.in_flight -= 1  # one request finished: one slot free
+    gw.admission.kick()  # every pool, as a probe or the recheck timer does
+    await _turns()
+    assert peak == 2 and w.in_flight == 2 and gw.admission.queued() == 1
+    w.in_flight -= 1  # the next one frees: the other model's waiter takes it
+    gw.admission.kick()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert peak == 2 and gw.admission.queued() == 0 and gw.admission._granted == 0
+    gw.admission.close()
+
+
+async def test_a_model_that_never_queued_does_not_take_a_slot_granted_to_another() -> None:
+    gw, w = _one_worker_two_models(2)
+    w.in_flight = 2
+    peak = 0
+
+    async def request(model: str) -> None:
+        nonlocal peak
+        await gw.admission.admit(
+            tenant="t",
+            priority=0.5,
+            deadline_s=5.0,
+            has_room=functools.partial(gw.slots.free, model, 0.5),
+            pool=model,
+        )
+        w.in_flight += 1
+        peak = max(peak, w.in_flight)
+
+    base = asyncio.create_task(request(MODEL))
+    await _turns()
+    assert gw.admission.pool_queue(LORA) is None  # the adapter's pool does not exist yet
+    lora = asyncio.create_task(request(LORA))  # first runs after the kick below, before `base`
+    w.in_flight -= 1
+    gw.admission.kick(MODEL)  # the only free slot is granted to `base`, which has not resumed
+    await _turns()
+    assert peak == 2 and w.in_flight == 2
+    assert base.done() and not lora.done() and gw.admission.queued() == 1
+    lora.cancel()
+    await asyncio.gather(base, lora, return_exceptions=True)
+    assert gw.admission._granted == 0
+    gw.admission.close()
+
+
+async def test_a_pool_on_other_workers_is_admitted_once_the_grants_holding_it_are_used() -> None:
+    """Grants are counted across pools, so a pool on workers of its own can be held back by
+    another pool's pending grants; it must go the loop turn they are used, not at the recheck
+    timer (10 s here)."""
+    c = AdmissionController(AdmissionSettings(recheck_s=10.0))
+    cap = {"a": 0, "b": 1}  # disjoint workers: pool a none free, pool b one
+    busy = {"a": 0, "b": 0}
+
+    def free(pool: str) -> int:
+        return cap[pool] - busy[pool]
+
+    async def request(pool: str) -> bool:
+        got = await c.admit(
+            tenant="t", priority=0.5, has_room=functools.partial(free, pool), pool=pool
+        )
+        busy[pool] += 1
+        assert busy[pool] <= cap[pool]
+        return got.queued
+
+    waiting_a = [asyncio.create_task(request("a")) for _ in range(3)]
+    await _turns()
+    b = asyncio.create_task(request("b"))  # first runs after the kick below
+    cap["a"] = 3
+    c.kick("a")  # three grants pending in pool a when b arrives
+    for _ in range(5):
+        await asyncio.sleep(0)
+        if b.done():
+            break
+    assert b.done(), "pool b was still waiting for pool a's grants after 5 loop turns"
+    assert busy == {"a": 3, "b": 1}
+    await asyncio.wait_for(asyncio.gather(*waiting_a), 5)
+    assert c.queued() == 0 and c._granted == 0
+
+
+async def test_random_traffic_on_pools_sharing_workers_never_oversubscribes() -> None:
+    """Three models on one worker set of 4 slots, int predicates, kicks of one pool and of all
+    pools, cancellations: every request ends exactly once and the workers never exceed 4."""
+    rng = random.Random(4321)
+    c = AdmissionController(AdmissionSettings(max_queued=40, recheck_s=0.005))
+    slots = 4
+    in_flight = peak = 0
+    served = refused = 0
+
+    def free() -> int:
+        return slots - in_flight
+
+    async def request(pool: str) -> None:
+        nonlocal in_flight, peak, served, refused
+        try:
+            await c.admit(
+                tenant=rng.choice("ab"),
+                priority=rng.choice([0.1, 0.5, 0.9]),
+                deadline_s=rng.choice([0.05, 0.5, 5.0]),
+                has_room=free,
+                pool=pool,
+            )
+        except APIError:
+            refused += 1
+            return
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            await asyncio.sleep(rng.random() * 0.004)
+        finally:
+            in_flight -= 1
+            if rng.random() < 0.5:
+                c.kick(pool)
+            else:
+                c.kick()  # every pool, as the recheck timer and a probe do
+        served += 1
+
+    tasks = []
+    for _ in range(300):
+        tasks.append(asyncio.create_task(request(rng.choice(["base", "lora1", "lora2"]))))
+        if rng.random() < 0.1:
+            rng.choice(tasks).cancel()
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    cancelled = sum(isinstance(r, asyncio.CancelledError) for r in results)
+    assert not [r for r in results if r is not None and not isinstance(r, asyncio.CancelledError)]
+    assert served + refused + cancelled == 300 and served > 0
+    assert peak <= slots and in_flight == 0
+    assert c.queued() == 0 and c._granted == 0
