@@ -265,6 +265,9 @@ async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
     except (TimeoutError, UpstreamStreamError):
         await resp.abort()
         return b""
+    except BaseException:  # cancelled (the client left): the connection must not leak either
+        await resp.abort()
+        raise
     await resp.release()
     return body[:65536]
 

@@ -155,13 +155,16 @@ class RelayResponse(Response):
 
     async def _settle_before_done(self) -> None:
         """Nothing may cancel a settlement half way (a lease would leak until its TTL): the
-        disconnect watch stops and the stall check holds off first, and a cancel either
-        already requested is taken now, so the cleanup in ``__call__`` settles instead."""
+        disconnect watch stops, a drain no longer sees the stream and the stall check holds off
+        first, and a cancel either already requested is taken now, so the cleanup in
+        ``__call__`` settles instead."""
         if self._watch is not None:
             self._watch.stop()
         me = asyncio.current_task()
-        if me is not None and me.cancelling():
-            await asyncio.sleep(0)  # delivers the pending CancelledError
+        if me is not None:
+            self._life.streams.pop(me, None)  # a drain's cut (`cut_streams`) passes it by now
+            if me.cancelling():
+                await asyncio.sleep(0)  # delivers the pending CancelledError
         self._settling = True
         try:
             await self._complete()
@@ -384,6 +387,10 @@ class RelayResponse(Response):
         if waiting.awaiting and (now - self._last_chunk > self._t.idle_s or now > self._deadline):
             waiting.idle_cut = True  # the pump turns this cancel into the idle-timeout error
             task.cancel()
+            # Still watched: the error event's send can block on a client that stopped reading.
+            self._stall_timer = asyncio.get_running_loop().call_later(
+                self._stall_every, self._check_stall, task
+            )
             return
         started = self._sending
         stalled = bool(started) and now > self._deadline and not self._settling
@@ -416,7 +423,9 @@ class RelayResponse(Response):
         kept = []
         for ev in events:
             if USAGE_MARK in ev and ev.startswith(b"data: {") and b'"choices":[]' in ev:
-                with contextlib.suppress(orjson.JSONDecodeError, ValueError):
+                # TypeError: a usage of the wrong shape ("prompt_tokens": [9]) must not break
+                # a stream that is otherwise whole (the whole-response path suppresses it too).
+                with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
                     self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
                 if strip:
                     continue

@@ -59,6 +59,7 @@ class _Conn(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
+        self.interim = False  # parsing a 1xx response that precedes the real one
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.head: asyncio.Future[None] | None = None
         self.body: collections.deque[bytes] = collections.deque()
@@ -98,17 +99,39 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.done:
+        if not self.done and exc is None and self._ends_at_close():
+            self._to_sink()  # the close ends a body that has no length: it is whole
+            self.done = True
+            self.keep_alive = False
+            self._wake()
+        elif not self.done:
             self._fail(f"worker closed the connection{f' ({exc})' if exc else ''}")
         if self.idle:  # the worker closed a pooled connection: its slot is free now
             self.pool.drop_idle(self)
+
+    def _ends_at_close(self) -> bool:
+        """A response with neither a length nor chunks: its body ends when the worker closes
+        the connection (RFC 9112 6.3), which httptools cannot be told. Asked only at a close,
+        so the per-response path reads no header."""
+        if not self.status or self.status in (204, 304):
+            return False
+        names = {n.lower() for n, _ in self.raw_headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
 
     # -- httptools callbacks -------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim response (100 Continue, 103 Early Hints): the real one follows on this
+            # connection. Taken for the answer, it ended the request with an empty body and the
+            # connection went back to the pool with that answer still to come.
+            self.interim = True
+            self.raw_headers = []
+            return
+        self.status = status
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
@@ -125,6 +148,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.done = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.upstream import UpstreamConnectError, UpstreamStreamError
+from gateway.upstream import AiohttpUpstream, UpstreamConnectError, UpstreamStreamError
 from gateway.upstream_h1 import H1Upstream, _Conn, _RawHeaders
 from tests.gateway.conftest import free_ports
 
@@ -392,3 +392,60 @@ async def test_sent_is_called_once_before_the_post_first_waits_and_after_a_poole
             assert order == expected
         assert len(accepted) == 1
         await c.close()
+
+
+async def test_an_interim_100_continue_is_not_taken_for_the_response() -> None:
+    """httptools reports a 1xx as a whole message of its own. Taken for the answer, it ended the
+    request with status 100 and no body, the connection went back to the pool with the real
+    answer still to come, and the next request on it read the previous one's answer."""
+
+    async def h(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)  # the 100 is parsed on its own before the answer comes
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nanswer-A")
+        await w.drain()
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nanswer-B")
+        await w.drain()
+        await r.read()
+
+    async with server(h) as (url, accepted):
+        c = client()
+        got: list[tuple[int, bytes]] = []
+        for _ in range(2):
+            resp = await c.post(url, b"{}", {})
+            got.append((resp.status, await resp.read()))
+            await resp.release()
+        await c.close()
+        assert got == [(200, b"answer-A"), (200, b"answer-B")]
+        assert len(accepted) == 1
+
+
+async def close_delimited(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """A body with neither a length nor chunks: the worker's close ends it (RFC 9112 6.3)."""
+    await read_request(r)
+    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n")
+    w.write(b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}')
+    await w.drain()
+
+
+@pytest.mark.parametrize("kind", ["h1", "aiohttp"])
+async def test_a_close_delimited_body_is_a_complete_response(kind: str) -> None:
+    """httptools cannot be told about the EOF, so the close used to be "worker closed the
+    connection": a complete answer became a stream error (and the proxy generated it again on
+    another worker). aiohttp, whose semantics the h1 client keeps, reads it whole."""
+    async with server(close_delimited) as (url, _):
+        if kind == "h1":
+            c = client()
+        else:
+            c = AiohttpUpstream(connect_s=1.0, max_connections=8, keepalive_s=30.0)
+        resp = await c.post(url, b"{}", {})
+        body = await resp.read()
+        await resp.release()
+        await c.close()
+        assert resp.status == 200
+        assert body == b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+        if kind == "h1":
+            assert c.open_connections == 0  # not put back: the worker closed it
