@@ -262,6 +262,26 @@ def test_a_full_holder_without_room_for_the_tail_yields_to_a_worker_with_room() 
     assert d.worker.name == "hot" and d.reason == "affinity"
 
 
+def test_a_full_holder_keeps_a_tail_that_fits_and_yields_once_requests_queue_there() -> None:
+    # An agent's turns share one long context, and its parallel calls all run on its holder, so
+    # the holder's KV is nearly full of that context. A turn whose tail still fits beside them
+    # starts there at once (sent elsewhere, it prefilled the whole context on a cold worker:
+    # weka-agentic on 8 x 4,096 blocks lost 2 points of hit rate that way).
+    p = KVAware(rng=random.Random(0))
+    r = key(p, chat("x"), session_id="s")
+    p.on_dispatch("hot", r)
+    cap = {"num_blocks": 4096, "block_size": 16, "in_flight_at_scrape": 0}
+    views = [WorkerView("hot", kv_usage=0.975, running=8, **cap), WorkerView("cold", **cap)]
+    # ~650 tokens (1% of the cache) beyond what the holder has: 98.5% full with it.
+    fits = p.choose(views, key(p, chat("y" * 2_600), session_id="s"))
+    assert fits.worker.name == "hot" and fits.reason == "affinity"
+    # A request already waiting there means vLLM found no blocks for it: the next one would
+    # wait behind it for a running decode to end, while the empty worker starts it now.
+    queued = [WorkerView("hot", kv_usage=0.975, running=8, waiting=1, **cap), views[1]]
+    d = p.choose(queued, key(p, chat("y" * 2_600), session_id="s"))
+    assert d.worker.name == "cold" and d.reason == "load_fallback"
+
+
 def test_tenant_priority_buys_a_shorter_queue_at_the_cost_of_kv_headroom() -> None:
     p = KVAware(rng=random.Random(0))
     views = [
