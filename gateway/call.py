@@ -75,6 +75,7 @@ class Call:
     # The request went to a worker that may be generating it (non-streaming: nothing tells how
     # far it got until the whole answer arrives); cleared when the attempt was refused.
     upstream_sent: bool = False
+    finished: bool = False  # recorded (settled, counted, logged): `Lifecycle.finish` ran
 
 
 @dataclass(slots=True)

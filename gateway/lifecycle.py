@@ -127,7 +127,11 @@ class Lifecycle:
 
     # -- the request -----------------------------------------------------------------------------
     async def finish(self, call: Call) -> None:
-        """Record one finished request: settlement, metrics, the log line."""
+        """Record one finished request: settlement, metrics, the log line; once (a whole
+        response whose client left during its settlement reaches here again from the walk)."""
+        if call.finished:
+            return
+        call.finished = True
         e2e = time.perf_counter() - call.t_start
         await self.settlement.settle(call)
         m = self.metrics

@@ -167,7 +167,7 @@ class QuotaGate:
         if not adm.allowed:
             outcome = "insufficient_quota" if adm.never else f"rejected_{adm.dimension}"
             m.child(m.tenant_requests, tenant.name, outcome).inc()
-            raise _refusal(adm, model, tokens)
+            raise _refusal(adm, model, tokens, tenant.limits.max_concurrent)
         m.child(m.tenant_requests, tenant.name, "admitted").inc()
         m.child(m.tenant_tokens, tenant.name, "reserved").inc(tokens)
         m.child(m.tenant_in_flight, tenant.name).inc()
@@ -293,7 +293,9 @@ async def _apply(t: Ticket, actual: int | None, refund_all: bool) -> None:
         )
 
 
-def _refusal(adm: Admission, model: str, tokens: int) -> APIError:
+def _refusal(
+    adm: Admission, model: str, tokens: int, max_concurrent: int | None = None
+) -> APIError:
     headers = adm.headers()
     if adm.never:
         return APIError(
@@ -308,7 +310,8 @@ def _refusal(adm: Admission, model: str, tokens: int) -> APIError:
     wait = adm.retry_after_s
     if adm.dimension == "concurrency":
         msg = (
-            f"Too many concurrent requests for {model} on your key (limit {adm.in_flight}). "
+            f"Too many concurrent requests for {model} on your key (limit "
+            f"{adm.in_flight if max_concurrent is None else max_concurrent}). "
             f"Please try again in {wait:.3f}s."
         )
         type_ = "requests"

@@ -103,6 +103,9 @@ async def test_a_client_leaving_during_a_whole_responses_settlement_leaks_no_lea
                 headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
             )
         assert outcome[0] == "settled"  # not cancelled half way
+        # Counted once: the walk's own handling of the disconnect finds it recorded already.
+        m = await g.metrics()
+        assert sum(v for k, v in m.items() if k.startswith("kvgate_requests_total{")) == 2
         assert in_flight_redis == 0 and r.status_code == 200, (
             f"settle {outcome}; lease leaked ({in_flight_redis} in Redis); next request "
             f"{r.status_code}"

@@ -18,7 +18,8 @@ from prometheus_client import generate_latest
 from bench.redis_server import RedisServer
 from gateway.config import QuotaSettings, TenantSettings
 from gateway.metrics import GatewayMetrics
-from gateway.quota_gate import QuotaGate, Ticket
+from gateway.quota import Admission
+from gateway.quota_gate import QuotaGate, Ticket, _refusal
 from gateway.tenancy import Tenant, _limits
 from tests.gateway.conftest import flat_metrics
 
@@ -183,3 +184,10 @@ async def test_a_tenants_backlog_is_settled_before_its_next_admission(
     assert g.deferred == 0
     assert (await g.shared.usage("a"))["in_flight"] == 1
     await g.settle(fresh, 10)
+
+
+def test_a_concurrency_refusal_names_the_keys_limit_not_the_leases_it_counted() -> None:
+    # Several replicas can count more leases than the limit: the message names the limit.
+    adm = Admission(allowed=False, dimension="concurrency", in_flight=5, retry_after_s=1.0)
+    e = _refusal(adm, "m", 10, max_concurrent=2)
+    assert e.status == 429 and "(limit 2)" in e.message
