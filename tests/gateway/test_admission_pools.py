@@ -15,7 +15,9 @@ import random
 
 from gateway.admission import AdmissionController, AdmissionSettings
 from gateway.app import Gateway
+from gateway.call import Call
 from gateway.errors import APIError
+from scoring.views import RouteRequest
 from tests.gateway.conftest import MODEL, settings_for
 from workers.worker import Health, Worker
 
@@ -186,3 +188,26 @@ async def test_random_traffic_on_pools_sharing_workers_never_oversubscribes() ->
     assert served + refused + cancelled == 300 and served > 0
     assert peak <= slots and in_flight == 0
     assert c.queued() == 0 and c._granted == 0
+
+
+async def test_a_slot_a_base_model_request_frees_admits_a_queued_adapter_request_at_once() -> None:
+    # Released through the lifecycle, as the proxy releases it: every model the worker serves
+    # is kicked, not only the finished request's (the recheck timer here is 10 s away).
+    gw, w = _one_worker_two_models(1)
+    w.in_flight = 1  # full, with a base-model request
+    waiter = asyncio.create_task(
+        gw.admission.admit(
+            tenant="t",
+            priority=0.5,
+            deadline_s=5.0,
+            has_room=functools.partial(gw.slots.free, LORA, 0.5),
+            pool=LORA,
+        )
+    )
+    await _turns()
+    assert gw.admission.queued() == 1
+    done = Call("r1", MODEL, "/v1/chat/completions", b"{}", True, False, RouteRequest(MODEL))
+    gw.life.released(w, done)
+    await _turns()
+    assert waiter.done() and gw.admission.queued() == 0
+    gw.admission.close()
