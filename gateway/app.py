@@ -109,6 +109,9 @@ class Gateway:
         self.metrics.registry.register(LogCollector())
         self._kv_sync_lock = asyncio.Lock()
         self._kv_tasks: set[asyncio.Task[None]] = set()
+        self._started: dict[str, float] = {}  # worker -> its process's start time, last probe
+        # Worker records a reload removed (or replaced: a new URL) while requests ran on them.
+        self._retired: list[Worker] = []
         self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
@@ -261,7 +264,14 @@ class Gateway:
         return not self._in_flight()
 
     def _in_flight(self) -> int:
-        return sum(w.in_flight for w in self.registry.workers.values())
+        """Requests on any worker, those a reload removed (or moved to a new URL) included:
+        a drain must wait for (or cut) them too."""
+        gone = self._retired
+        if gone:
+            gone[:] = [w for w in gone if w.in_flight > 0]
+        return sum(w.in_flight for w in self.registry.workers.values()) + sum(
+            w.in_flight for w in gone
+        )
 
     async def stop(self) -> None:
         if self.watcher:
@@ -332,10 +342,15 @@ class Gateway:
         self.metrics.config_reloads.inc()
 
     def sync_workers(self, specs: list[WorkerSpec]) -> None:
+        before = dict(self.registry.workers)
         added, removed = self.registry.sync(specs)
         for name in removed:
             self.metrics.forget_worker(name, [h.value for h in Health])
             self.policy.on_worker_removed(name)
+            self._started.pop(name, None)
+            old = before.get(name)
+            if old is not None and old.in_flight > 0:
+                self._retired.append(old)  # its requests still run: drain counts them
         if added or removed:
             log.info("fleet changed: added %s, removed %s", added, removed)
         if self.prober:
@@ -382,6 +397,15 @@ class Gateway:
         if not ok:
             m.probe_failures.labels(w.name).inc()
         self.metrics.export_health(w.name, w.health)
+        started = w.metrics.process_start
+        if started is not None:
+            was = self._started.get(w.name)
+            self._started[w.name] = started
+            if was is not None and was != started:
+                # A new process at the same address: its prefix cache is empty, so what routing
+                # learned of it (index, session pins) would send prefixes to a cold worker.
+                log.info("worker %s restarted: routing forgets what it held", w.name)
+                self.policy.on_worker_removed(w.name)
         if w.spec.kv_events:
             self.kv_fleet.note_probe(w.name, w.health is Health.HEALTHY, w.metrics.process_start)
             if w.models and not self.kv_fleet.subscribed(w.name):

@@ -83,11 +83,18 @@ class Lifecycle:
         assert call.policy is not None
         call.learned = call.policy.on_dispatch(worker.name, call.route)
 
+    def _current(self, worker: Worker) -> bool:
+        """``worker`` is still the registry's record under its name: a reload that moved the
+        name to a new URL (or removed it) left this request on the old server, whose outcomes
+        must not eject (or readmit) the new one."""
+        return self.registry.workers.get(worker.name) is worker
+
     def first_byte(self, worker: Worker, call: Call, seconds: float) -> None:
         """The worker answered ``seconds`` after this attempt's dispatch: its own TTFT (outlier
         ejection; admission waits and earlier attempts are not its doing), and its queued-prefill
         estimate drops this call."""
-        self.registry.observe_ttft(worker.name, seconds)
+        if self._current(worker):
+            self.registry.observe_ttft(worker.name, seconds)
         self.prefill_done(worker, call)
 
     def prefill_done(self, worker: Worker, call: Call) -> None:
@@ -123,13 +130,16 @@ class Lifecycle:
         """The worker failed a request before its first byte: passive health, and a probe now
         when that left it less than healthy (it may have died)."""
         log.warning("worker %s failed before first byte: %s", worker.name, error)
+        if not self._current(worker):
+            return
         self.registry.passive_failure(worker.name, error)
         if self.prober is not None and worker.health is not Health.HEALTHY:
             self.prober.poke(worker.name)
 
     def succeeded(self, worker: Worker) -> None:
         """A whole answer or a stream that ended well (a half-open worker's trial passes)."""
-        self.registry.passive_success(worker.name)
+        if self._current(worker):
+            self.registry.passive_success(worker.name)
 
     # -- the request -----------------------------------------------------------------------------
     async def finish(self, call: Call) -> None:

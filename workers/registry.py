@@ -157,7 +157,9 @@ class Registry:
         """Make the fleet match `specs`; returns (added, removed). Unchanged workers keep state.
 
         A worker whose URL changed is a new server and starts over, except for `draining`: a
-        drain is the operator's decision about that name and only an undrain lifts it."""
+        drain is the operator's decision about that name and only an undrain lifts it. It is
+        listed as removed *and* added, so what was learned of the old server (the routing
+        index's picture of its cache, its metrics series) goes with it."""
         wanted = {s.name: s for s in specs}
         removed = [n for n in self.workers if n not in wanted]
         for n in removed:
@@ -172,6 +174,7 @@ class Registry:
                 if cur.spec.url != spec.url:  # a different server: start over
                     self.workers[name] = Worker(spec, draining=cur.draining)
                     self._known_models.pop(name, None)
+                    removed.append(name)
                     added.append(name)
                 else:
                     cur.spec = spec
