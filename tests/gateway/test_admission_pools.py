@@ -36,6 +36,16 @@ def _one_worker_two_models(cap: int, *, recheck_s: float = 10.0) -> tuple[Gatewa
     return gw, w
 
 
+async def _admit(gw: Gateway, model: str) -> None:
+    await gw.admission.admit(
+        tenant="t",
+        priority=0.5,
+        deadline_s=5.0,
+        has_room=functools.partial(gw.slots.free, model, 0.5),
+        pool=model,
+    )
+
+
 async def _turns(n: int = 10) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -48,13 +58,7 @@ async def test_one_freed_slot_is_granted_once_not_once_per_model() -> None:
 
     async def request(model: str) -> None:
         nonlocal peak
-        await gw.admission.admit(
-            tenant="t",
-            priority=0.5,
-            deadline_s=5.0,
-            has_room=functools.partial(gw.slots.free, model, 0.5),
-            pool=model,
-        )
+        await _admit(gw, model)
         w.in_flight += 1  # the dispatch
         peak = max(peak, w.in_flight)
 
@@ -79,13 +83,7 @@ async def test_a_model_that_never_queued_does_not_take_a_slot_granted_to_another
 
     async def request(model: str) -> None:
         nonlocal peak
-        await gw.admission.admit(
-            tenant="t",
-            priority=0.5,
-            deadline_s=5.0,
-            has_room=functools.partial(gw.slots.free, model, 0.5),
-            pool=model,
-        )
+        await _admit(gw, model)
         w.in_flight += 1
         peak = max(peak, w.in_flight)
 
@@ -195,15 +193,7 @@ async def test_a_slot_a_base_model_request_frees_admits_a_queued_adapter_request
     # is kicked, not only the finished request's (the recheck timer here is 10 s away).
     gw, w = _one_worker_two_models(1)
     w.in_flight = 1  # full, with a base-model request
-    waiter = asyncio.create_task(
-        gw.admission.admit(
-            tenant="t",
-            priority=0.5,
-            deadline_s=5.0,
-            has_room=functools.partial(gw.slots.free, LORA, 0.5),
-            pool=LORA,
-        )
-    )
+    waiter = asyncio.create_task(_admit(gw, LORA))
     await _turns()
     assert gw.admission.queued() == 1
     done = Call("r1", MODEL, "/v1/chat/completions", b"{}", True, False, RouteRequest(MODEL))

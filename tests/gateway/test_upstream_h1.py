@@ -5,39 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from gateway.upstream import AiohttpUpstream, UpstreamConnectError, UpstreamStreamError
 from gateway.upstream_h1 import H1Upstream, _Conn, _RawHeaders
 from tests.gateway.conftest import free_ports
+from tests.support.raw_worker import server
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-
-
-@contextlib.asynccontextmanager
-async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
-    """A scripted worker; yields its URL and a list that counts accepted connections."""
-    accepted: list[int] = []
-
-    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        accepted.append(1)
-        try:
-            await handler(r, w)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
-
-    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", accepted
-    finally:
-        srv.close()
 
 
 async def read_request(r: asyncio.StreamReader) -> bytes:

@@ -17,23 +17,12 @@ import httpx
 import orjson
 import pytest
 
-from bench.redis_server import RedisServer, free_port
 from gateway.config import Settings
 from tests.gateway.conftest import MODEL, run_gateway, settings_for, start_sims
 
 pytestmark = pytest.mark.asyncio
 
 KEY = "kvg-settle-key"
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    server = RedisServer(free_port())
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
-__all__ = ["Script", "raw_worker"]
+__all__ = ["Script", "raw_worker", "server"]
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -43,28 +43,15 @@ def _ok(body: bytes) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def raw_worker(
-    script: Script, *, model: str = "sim-llama"
-) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """Serve on a free port until the block exits; yields the base URL and the POST bodies."""
-    posts: list[bytes] = []
-    models = orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+async def server(handler: Script) -> AsyncIterator[tuple[str, list[int]]]:
+    """A scripted server on a free port: ``handler`` owns each connection (closed when it
+    returns). Yields its URL and a list that counts accepted connections."""
+    accepted: list[int] = []
 
     async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        accepted.append(1)
         try:
-            while True:
-                line, body = await _read_request(r)
-                if line.startswith(b"GET /health"):
-                    w.write(_ok(b""))
-                elif line.startswith(b"GET /v1/models"):
-                    w.write(_ok(models))
-                elif line.startswith(b"POST "):
-                    posts.append(body)
-                    await script(r, w)
-                    return
-                else:
-                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-                await w.drain()
+            await handler(r, w)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -73,6 +60,33 @@ async def raw_worker(
     srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}", posts
+        yield f"http://127.0.0.1:{port}", accepted
     finally:
         srv.close()
+
+
+@contextlib.asynccontextmanager
+async def raw_worker(
+    script: Script, *, model: str = "sim-llama"
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """Serve on a free port until the block exits; yields the base URL and the POST bodies."""
+    posts: list[bytes] = []
+    models = orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            line, body = await _read_request(r)
+            if line.startswith(b"GET /health"):
+                w.write(_ok(b""))
+            elif line.startswith(b"GET /v1/models"):
+                w.write(_ok(models))
+            elif line.startswith(b"POST "):
+                posts.append(body)
+                await script(r, w)
+                return
+            else:
+                w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            await w.drain()
+
+    async with server(worker) as (url, _accepted):
+        yield url, posts
