@@ -29,6 +29,10 @@ __all__ = ["KVEndpoint", "KVEventFleet", "PreciseSink"]
 
 log = logging.getLogger("kvgate.kv_events")
 
+# What a worker's removals are filtered by until one of its stores names a full-attention group:
+# a plain decoder has one group, 0, and releases before group_idx send none (decoded as 0).
+_PLAIN_GROUPS: frozenset[int] = frozenset({0})
+
 
 @dataclass(frozen=True, slots=True)
 class KVEndpoint:
@@ -58,16 +62,29 @@ class PreciseSink:
         self.block_size_of = block_size_of
         self.clock = clock
         self.resets: Counter[tuple[str, str]] = Counter()  # (worker, reason)
-        self.skipped: Counter[str] = Counter()  # events of other KV groups / unknown model
+        # events of other KV groups, of a LoRA known only by id, or of an unknown model
+        self.skipped: Counter[str] = Counter()
+        # worker -> the KV-cache groups its indexed stores came from (none yet: _PLAIN_GROUPS)
+        self._groups: dict[str, frozenset[int]] = {}
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
         idx = self.index
         now = self.clock()
         idx.touch(worker, now)
+        groups = self._groups.get(worker, _PLAIN_GROUPS)
         for ev in events:
             if isinstance(ev, BlockStored):
                 if not ev.is_full_attention:
                     self.skipped[worker] += 1  # hybrid models: only full attention is prefix KV
+                    continue
+                # The default is replaced by the first store even of group 0, so that a later
+                # full-attention group adds to 0 rather than taking its place.
+                if groups is _PLAIN_GROUPS or ev.group_idx not in groups:
+                    groups = self._learn_group(worker, ev.group_idx)
+                if ev.lora_id is not None and ev.lora_name is None:
+                    # vLLM 0.11 names the adapter by id only, and the id cannot be mapped to
+                    # the name requests are seeded with: not the base model's blocks either.
+                    self.skipped[worker] += 1
                     continue
                 model = ev.lora_name or self.model_of(worker)
                 bs = ev.block_size or self.block_size_of(worker)
@@ -85,15 +102,32 @@ class PreciseSink:
                     now,
                 )
             elif isinstance(ev, BlockRemoved):
-                if not ev.group_idx:
+                # Only the groups indexed: vLLM reports an eviction per group, with the same
+                # engine hash in every group that held the block.
+                if ev.group_idx in groups:
                     idx.removed(worker, ev.engine_hashes, ev.medium, now)
             elif isinstance(ev, AllBlocksCleared):
                 self.resets[(worker, "cleared")] += 1
                 idx.clear(worker)
 
+    def _learn_group(self, worker: str, group: int) -> frozenset[int]:
+        """Evictions are reported per KV-cache group, and in a hybrid model the full-attention
+        group need not be group 0; only a store tells which groups hold prefix KV (vLLM puts
+        the spec kind on stores, never on removals)."""
+        known = self._groups.get(worker)
+        groups = frozenset((group,)) if known is None else known | {group}
+        self._groups[worker] = groups
+        return groups
+
+    def forget(self, worker: str) -> None:
+        """The worker's groups describe one engine: a restart (or another server behind the
+        name) may bring another layout, learned anew from its stores."""
+        self._groups.pop(worker, None)
+
     def reset(self, worker: str, reason: str) -> None:
         self.resets[(worker, reason)] += 1
         self.index.clear(worker)
+        self.forget(worker)
 
     def set_live(self, worker: str, live: bool) -> None:
         self.index.set_live(worker, live, self.clock())
@@ -128,6 +162,7 @@ class KVEventFleet:
                 del self._subs[name]
                 await sub.stop()
                 self.sink.index.remove_worker(name)
+                self.sink.forget(name)
         for name, ep in endpoints.items():
             if name in self._subs:
                 continue
