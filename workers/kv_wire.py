@@ -33,6 +33,10 @@ __all__ = [
 
 EngineHash: TypeAlias = int | bytes
 FULL_ATTENTION = "full_attention"
+# KV-cache kinds whose blocks hold a whole prefix, reusable by any request that shares it:
+# vLLM's plain full attention, DeepSeek's MLA and full attention with sink tokens. A sliding
+# window, chunked-local or mamba group keeps only recent state, not a reusable prefix.
+PREFIX_KINDS = frozenset({FULL_ATTENTION, "mla_attention", "sink_full_attention"})
 Layout: TypeAlias = Literal["0.32", "0.11"]
 
 
@@ -64,7 +68,7 @@ class BlockStored:
     @property
     def is_full_attention(self) -> bool:
         if self.kv_cache_spec_kind is not None:
-            return self.kv_cache_spec_kind == FULL_ATTENTION
+            return self.kv_cache_spec_kind in PREFIX_KINDS
         return self.group_idx == 0
 
 

@@ -853,3 +853,12 @@ def test_a_health_flap_or_a_new_process_voids_what_the_events_said() -> None:
     fleet.note_probe("w0", True, 250.0)  # back, restarted
     fleet.note_probe("w0", True, None)  # a scrape without the start time says nothing
     assert calls == [("w0", "health"), ("w0", "restart")]
+
+
+def test_mla_and_sink_attention_blocks_hold_a_reusable_prefix_and_windows_do_not() -> None:
+    # DeepSeek's MLA workers label every store mla_attention: taken for another kind, their
+    # events were all skipped and the precise index never learned what they hold.
+    for kind in ("full_attention", "mla_attention", "sink_full_attention"):
+        assert stored(1, kind=kind).is_full_attention, kind
+    for kind in ("sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba"):
+        assert not stored(1, kind=kind).is_full_attention, kind
