@@ -10,13 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 from gateway.config import ConfigError, Settings, load_settings
 
 log = logging.getLogger("kvgate.config")
+
+# A change is applied once the file reads the same at both ends of this window: writers that
+# truncate and then write, or write in chunks, leave a file that is empty or a prefix (a prefix
+# of a valid file is often itself valid: fewer workers, no tenants) until they are done.
+_SETTLE_S = 0.2
+# After the file watch fails (its directory went away, inotify limits), it starts again this late.
+_RETRY_S = 5.0
+# Symlinks followed to find what in the directory the path reads through (bounds a link loop).
+_MAX_LINKS = 16
 
 
 class ConfigWatcher:
@@ -38,10 +49,11 @@ class ConfigWatcher:
         self._on_change = on_change
         self._on_error = on_error
         self._task: asyncio.Task[None] | None = None
+        self._watched: frozenset[str] = frozenset()
 
     def reload(self) -> bool:
         try:
-            new = load_settings(self.path)
+            new = self._load()
         except ConfigError as e:
             log.error("config reload rejected, keeping the running config: %s", e)
             self._on_error(str(e))
@@ -51,6 +63,32 @@ class ConfigWatcher:
             log.info("config reloaded from %s", self.path)
             self._on_change(new)
         return True
+
+    def _load(self) -> Settings:
+        """`load_settings`, but never of a file with no settings in it, nor of one being rewritten.
+
+        An empty file is a valid config (every section defaulted): no workers, and no tenants, so
+        the gateway would take anonymous requests. On a reload it is a file caught between
+        truncation and write far more likely than a config meant to replace a running fleet.
+        Comparing the bytes before and after the load makes sure the validated text is the text
+        checked here.
+        """
+        for _ in range(3):
+            before = self._read()
+            if before is not None and _has_no_settings(before):
+                raise ConfigError(f"{self.path}: file has no settings (empty, or comments only)")
+            new = load_settings(self.path)  # a missing file raises ConfigError with the reason
+            if self._read() == before:
+                return new
+        raise ConfigError(f"{self.path}: kept changing while being read")
+
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # permission, a directory in its place: reported, never fatal
+            raise ConfigError(f"{self.path}: cannot read: {e.strerror or e}") from e
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -63,22 +101,75 @@ class ConfigWatcher:
         from watchfiles import awatch
 
         # Watch the directory: editors replace files by rename, which a file watch would miss.
-        # Only its own level and only this file's name: a config beside logs or a checkout
-        # (config.example.toml in the repo root) must not wake the watcher per write below it.
-        target = self.path.resolve()
-        name = target.name
-        async for changes in awatch(
-            target.parent,
-            debounce=200,
-            step=50,
-            recursive=False,
-            watch_filter=lambda _change, path: Path(path).name == name,
-        ):
-            if any(Path(p) == target for _, p in changes):
-                self.reload()
+        # Its unresolved path: behind a symlink swapped to a new directory (a Kubernetes
+        # ConfigMap: config.toml -> ..data/config.toml, ..data -> ..<timestamp>/, the old one
+        # deleted) a watch of the resolved directory would go with the first directory deleted.
+        # Only its own level and only the names the path reads through (its own, the links'): a
+        # config beside logs or a checkout (config.example.toml in the repo root) must not wake
+        # the watcher per write below it.
+        directory = self.path.absolute().parent
+        while True:
+            self._watched = self._names(directory)
+            try:
+                async for _changes in awatch(
+                    directory,
+                    debounce=200,
+                    step=50,
+                    recursive=False,
+                    watch_filter=lambda _change, path: Path(path).name in self._watched,
+                ):
+                    await self._settle()
+                    self.reload()
+                    self._watched = self._names(directory)
+            except Exception:
+                # Without this the task would end silently and every later edit be ignored.
+                log.exception("config file watch failed; watching %s again", directory)
+            await asyncio.sleep(_RETRY_S)
+
+    async def _settle(self) -> None:
+        """Wait until the file reads the same twice `_SETTLE_S` apart: a writer is done with it."""
+        before = self._read_quietly()
+        while True:
+            await asyncio.sleep(_SETTLE_S)
+            now = self._read_quietly()
+            if now == before:
+                return
+            before = now
+
+    def _read_quietly(self) -> bytes | None:
+        try:
+            return self._read()
+        except ConfigError:
+            return None  # unreadable: the reload that follows reports why
+
+    def _names(self, directory: Path) -> frozenset[str]:
+        """Entries of `directory` that reading the path goes through: its own name and those of
+        the symlinks on the way (`..data` and the directory it points at), found anew after
+        every change because a swap changes them."""
+        names = {self.path.name}
+        todo = [directory / self.path.name]
+        for _ in range(_MAX_LINKS):
+            if not todo:
+                break
+            link = todo.pop()
+            try:
+                target = Path(os.path.normpath(link.parent / os.readlink(link)))
+                head = target.relative_to(directory).parts[0]
+            except (OSError, ValueError, IndexError):
+                continue  # not a link, or one out of the directory (not watched: no event)
+            names.add(head)
+            todo += [directory / head, target]
+        return frozenset(names)
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+
+def _has_no_settings(text: bytes) -> bool:
+    try:
+        return not tomllib.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False  # not TOML at all: `load_settings` says what is wrong with it

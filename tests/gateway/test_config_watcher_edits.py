@@ -1,0 +1,151 @@
+"""The config watcher against the ways files really change: truncate-then-write, writes in
+parts, and a Kubernetes ConfigMap's symlink swaps. A reload must only ever apply a whole file the
+writer is done with; anything else keeps the running config (an empty file, valid as a config,
+would mean no fleet and no tenants: anonymous requests accepted)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gateway import config_watcher
+from gateway.config import Settings, load_settings
+from gateway.config_watcher import ConfigWatcher
+
+KEY_HASH = "a" * 64
+
+
+def _cfg(*ports: int) -> str:
+    workers = "".join(
+        f'[[workers]]\nname = "w{i}"\nurl = "http://127.0.0.1:{p}"\n' for i, p in enumerate(ports)
+    )
+    return f'[logging]\nlevel = "warning"\n[tenants.t]\nkeys_sha256 = ["{KEY_HASH}"]\n{workers}'
+
+
+async def _until(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Poll with a generous bound: the watcher's timing (debounce, settle) is not under test."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.parametrize("text", ["", " \n\t\n", "# kvgate configuration\n\n# [server]\n"])
+def test_reload_of_a_file_with_no_settings_keeps_the_running_config(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(_cfg(9, 10))
+    applied: list[Settings] = []
+    errors: list[str] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
+    cfg.write_text(text)
+    with caplog.at_level(logging.ERROR, logger="kvgate.config"):
+        assert not w.reload()  # SIGHUP and POST /admin/reload take this path
+    assert applied == []
+    assert len(w.current.workers) == 2 and len(w.current.tenants) == 1
+    assert errors and "no settings" in errors[0]
+    assert "no settings" in caplog.text and "keeping the running config" in caplog.text
+
+
+def test_reload_of_an_unreadable_path_is_rejected_and_reported(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(_cfg(9))
+    errors: list[str] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), lambda _s: None, errors.append)
+    cfg.unlink()
+    cfg.mkdir()  # something the file cannot be read from, whoever runs the test
+    assert not w.reload()
+    assert errors and str(cfg) in errors[0]
+    assert len(w.current.workers) == 1
+
+
+async def test_truncate_then_write_applies_only_the_written_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(_cfg(9, 10))
+    applied: list[Settings] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, lambda _m: None)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)  # the watch is set up
+        with cfg.open("w"):  # truncate ...
+            pass
+        await asyncio.sleep(0.15)  # ... a writer slower than the watcher's 50 ms of quiet ...
+        cfg.write_text(_cfg(9, 11))  # ... then the new content
+        landed = await _until(lambda: any(len(s.workers) == 2 for s in applied))
+    finally:
+        await w.stop()
+    seen = [(len(s.workers), len(s.tenants)) for s in applied]
+    assert landed and seen == [(2, 1)], f"(workers, tenants) of each applied config: {seen}"
+
+
+async def test_a_file_written_in_two_parts_is_applied_only_once_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A settle window far longer than the writer's pause, so a slow test machine cannot make the
+    # pause look like the end of the write.
+    monkeypatch.setattr(config_watcher, "_SETTLE_S", 1.0, raising=False)
+    cfg = tmp_path / "kvgate.toml"
+    cfg.write_text(_cfg(9, 10))
+    applied: list[Settings] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, lambda _m: None)
+    await w.start()
+    whole = _cfg(9, 11)
+    part = whole[: whole.index('[[workers]]\nname = "w1"')]  # valid TOML: one worker
+    try:
+        await asyncio.sleep(0.5)
+        with cfg.open("w") as f:
+            f.write(part)
+            f.flush()
+            await asyncio.sleep(0.15)
+            f.write(whole[len(part) :])
+        landed = await _until(lambda: any(len(s.workers) == 2 for s in applied))
+    finally:
+        await w.stop()
+    seen = [[wk.url for wk in s.workers] for s in applied]
+    assert landed and seen == [["http://127.0.0.1:9", "http://127.0.0.1:11"]], seen
+
+
+def _publish(root: Path, version: int, text: str) -> None:
+    """What kubelet's AtomicWriter does for a ConfigMap update: a new timestamped directory,
+    the `..data` link swapped to it by rename, the old directory deleted."""
+    new = root / f"..v{version}"
+    new.mkdir()
+    (new / "config.toml").write_text(text)
+    tmp = root / "..data_tmp"
+    tmp.symlink_to(new.name)
+    old = os.readlink(root / "..data") if (root / "..data").is_symlink() else None
+    os.replace(tmp, root / "..data")
+    if old is not None:
+        shutil.rmtree(root / old)
+
+
+async def test_every_configmap_update_is_applied(tmp_path: Path) -> None:
+    root = tmp_path / "etc-kvgate"
+    root.mkdir()
+    _publish(root, 1, _cfg(9001))
+    (root / "config.toml").symlink_to("..data/config.toml")
+    cfg = root / "config.toml"
+    applied: list[Settings] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, lambda _m: None)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)
+        for version in (2, 3, 4):
+            _publish(root, version, _cfg(9000 + version))
+            url = f"http://127.0.0.1:{9000 + version}"
+            if not await _until(lambda url=url: any(s.workers[0].url == url for s in applied)):
+                break  # the rest would not be seen either
+    finally:
+        await w.stop()
+    urls = [s.workers[0].url for s in applied]
+    assert urls == [f"http://127.0.0.1:{p}" for p in (9002, 9003, 9004)], urls
