@@ -74,6 +74,14 @@ class Prober:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._stopping = False
+        # The client's connect timeout where it is tighter than the probe timeout (the gateway
+        # builds it as min(connect_s, timeout_s)): still the connect bound after a reload changes
+        # timeout_s, which the client's own timeout never learns.
+        connect = client.timeout.connect
+        self._connect_s = connect if connect is not None and connect < timeout_s else None
+        # Per worker: the last unexpected probe exception logged, so a worker that keeps
+        # raising the same one logs its traceback once, not once per interval.
+        self._raised: dict[str, str] = {}
 
     def sync(self) -> None:
         """Start a probe task for every new worker and stop those of removed ones."""
@@ -83,6 +91,7 @@ class Prober:
                 self._wake.pop(name, None)
                 self._since_deep.pop(name, None)
                 self._deep_at.pop(name, None)
+                self._raised.pop(name, None)
         for name in self.registry.workers:
             if name not in self._tasks:
                 self._wake[name] = asyncio.Event()
@@ -114,13 +123,40 @@ class Prober:
     async def _loop(self, name: str) -> None:
         wake = self._wake[name]
         while name in self.registry.workers and not self._stopping:
-            await self.probe_once(name)
-            delay = self.registry.next_probe_delay(name, self.interval_s)
+            try:
+                await self.probe_once(name)
+                delay = self.registry.next_probe_delay(name, self.interval_s)
+            except Exception as e:
+                delay = self._probe_raised(name, e)
+            else:
+                self._raised.pop(name, None)
             wake.clear()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel and hang stop().
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await wake.wait()
+
+    def _probe_raised(self, name: str, e: Exception) -> float:
+        """An exception nothing in `probe_once` foresaw (an answer of an unexpected shape, or a
+        bug) must not end this worker's probe task: nothing would restart it, and the worker
+        would never be ejected or readmitted by probes again. It counts as a failed probe, so a
+        worker that keeps raising goes out like one that does not answer. Returns the delay to
+        the next probe."""
+        error = f"probe raised {_describe(e)}"
+        if self._raised.get(name) != error:
+            log.error("worker %s: %s; counted as a failed probe", name, error, exc_info=e)
+            self._raised[name] = error
+        else:
+            log.debug("worker %s: %s again", name, error)
+        self.registry.probe_failed(name, error)
+        return self.registry.next_probe_delay(name, self.interval_s)
+
+    def _http_timeout(self) -> httpx.Timeout:
+        """Per request, so that a reloaded `timeout_s` reaches httpx as well as the outer
+        `asyncio.timeout`: the client keeps the timeout it was built with, and a longer reloaded
+        one would otherwise still time out at the old value."""
+        t = self.timeout_s
+        return httpx.Timeout(t, connect=t if self._connect_s is None else min(self._connect_s, t))
 
     async def probe_once(self, name: str) -> bool:
         w = self.registry.workers.get(name)
@@ -131,10 +167,16 @@ class Prober:
             async with asyncio.timeout(self.timeout_s):
                 models, metrics = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
+            if self.registry.workers.get(name) is not w:
+                return False  # a reload replaced it meanwhile (a new URL): not its result
             self.registry.probe_failed(name, _describe(e))
             ok = False
         else:
             deep_err = await self._maybe_deep(w, models)
+            if self.registry.workers.get(name) is not w:
+                # A reload moved the name to a new URL while the old one answered: the new
+                # server has proved nothing yet and must not be readmitted on the old's word.
+                return False
             if deep_err is not None:
                 self.registry.probe_failed(name, deep_err, models, metrics)
                 ok = False
@@ -202,21 +244,25 @@ class Prober:
 
     async def _probe(self, w: Worker) -> tuple[list[dict[str, object]], WorkerMetrics | None]:
         headers = {"authorization": f"Bearer {w.spec.api_key}"} if w.spec.api_key else None
-        r = await self.client.get(f"{w.url}/health", headers=headers)
+        timeout = self._http_timeout()
+        r = await self.client.get(f"{w.url}/health", headers=headers, timeout=timeout)
         if r.status_code == 404:
             pass  # no /health on this server: /v1/models below is the health check
         elif r.status_code != 200:
             raise ProbeError(f"/health returned {r.status_code}")
         models_r, metrics_r = await asyncio.gather(
-            self.client.get(f"{w.url}/v1/models", headers=headers),
-            self.client.get(f"{w.url}/metrics", headers=headers),
+            self.client.get(f"{w.url}/v1/models", headers=headers, timeout=timeout),
+            self.client.get(f"{w.url}/metrics", headers=headers, timeout=timeout),
             return_exceptions=True,
         )
         if isinstance(models_r, BaseException):
             raise models_r
         if models_r.status_code != 200:
             raise ProbeError(f"/v1/models returned {models_r.status_code}")
-        data = models_r.json().get("data")
+        body = models_r.json()
+        if not isinstance(body, dict):  # `[]`, `null`: a proxy's or a half-started server's
+            raise ProbeError(f"/v1/models: not a JSON object: {models_r.text[:80]!r}")
+        data = body.get("data")
         if not isinstance(data, list):
             raise ProbeError("/v1/models: no data list")
         models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

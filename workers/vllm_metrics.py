@@ -13,6 +13,7 @@ costs ~0.4 ms; the whole parse is ~1.3 ms (tests/workers: same result as the ful
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,10 +65,19 @@ def relevant_lines(text: str) -> str:
             line.startswith(_READ)
             or (line.startswith(("# HELP ", "# TYPE ")) and line.startswith(_READ, 7))
         )
-        and "_created" not in line[:80]  # counters' creation times: skipped below anyway
+        and not _metric_name(line).endswith("_created")  # counters' creation times
     ]
     keep.append("")
     return "\n".join(keep)
+
+
+def _metric_name(line: str) -> str:
+    """The name alone: a label value may hold anything, "_created" included (a served model
+    named "ft_created-llama" must not hide that worker's load). Only lines that passed the
+    prefix test get here, ~30 of a scrape's ~700."""
+    if line.startswith("#"):  # "# HELP name ..." / "# TYPE name type"
+        return line[7:].partition(" ")[0]
+    return line.partition("{")[0].partition(" ")[0]
 
 
 def parse_vllm_metrics(text: str) -> WorkerMetrics:
@@ -80,7 +90,8 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
     for family in text_string_to_metric_families(text):
         name = family.name
         if name == "process_start_time_seconds":
-            start = family.samples[0].value if family.samples else None
+            if family.samples and math.isfinite(family.samples[0].value):
+                start = family.samples[0].value
             continue
         if name == "vllm:cache_config_info":
             for s in family.samples:
@@ -94,7 +105,9 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
             continue
         for s in family.samples:
             # Counters come back as family "x" with samples "x_total"; skip "_created".
-            if s.name.endswith("_created"):
+            # Nor +Inf/NaN: int() of one raises (OverflowError, not a ValueError, for +Inf), and
+            # the sums would carry it into every load figure; the other samples still count.
+            if s.name.endswith("_created") or not math.isfinite(s.value):
                 continue
             if name in _KV:
                 kv_samples.setdefault(name, []).append(s.value)

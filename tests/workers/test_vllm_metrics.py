@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.vllm_metrics import parse_vllm_metrics
+from workers.vllm_metrics import parse_vllm_metrics, relevant_lines
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32" / "metrics.txt"
 
@@ -65,6 +65,34 @@ def test_removed_gpu_names_are_a_fallback_for_old_servers() -> None:
 def test_non_vllm_text_yields_empty_state() -> None:
     m = parse_vllm_metrics("# TYPE up gauge\nup 1\n")
     assert (m.running, m.kv_usage, m.num_blocks) == (0, 0.0, None)
+
+
+def test_label_value_containing_created_does_not_hide_the_sample() -> None:
+    # A served model named like a counter's creation-time family.
+    text = CURRENT.replace('model_name="m"', 'model_name="ft_created-llama"')
+    m = parse_vllm_metrics(text)
+    assert (m.running, m.waiting, m.kv_usage) == (5, 4, pytest.approx(0.375))
+    assert (m.prefix_cache_queries, m.prefix_cache_hits, m.preemptions) == (1000, 640, 7)
+    # The `*_created` families themselves still stay out of the parse.
+    assert "vllm:prefix_cache_queries_created" not in relevant_lines(text)
+
+
+def test_non_finite_samples_are_skipped_and_the_rest_still_read() -> None:
+    text = """\
+vllm:num_requests_running{engine="0"} +Inf
+vllm:num_requests_running{engine="1"} 2.0
+vllm:num_requests_waiting{engine="0"} NaN
+vllm:num_requests_waiting{engine="1"} 4.0
+vllm:kv_cache_usage_perc{engine="0"} NaN
+vllm:kv_cache_usage_perc{engine="1"} 0.5
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0"} -Inf
+vllm:num_preemptions_total{engine="1"} 7.0
+process_start_time_seconds NaN
+"""
+    m = parse_vllm_metrics(text)
+    assert (m.running, m.waiting, m.kv_usage, m.preemptions) == (2, 4, 0.5, 7)
+    assert m.process_start is None  # NaN != NaN: it would read as a restart on every probe
 
 
 def test_recorded_vllm_032_metrics_parse() -> None:
