@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -107,20 +108,27 @@ class ConfigWatcher:
         # Only its own level and only the names the path reads through (its own, the links'): a
         # config beside logs or a checkout (config.example.toml in the repo root) must not wake
         # the watcher per write below it.
+        # A link to a file elsewhere (config.toml -> /etc/kvgate/real.toml) is followed too: that
+        # file's own directory is watched for it, so an edit of the target in place applies.
         directory = self.path.absolute().parent
         while True:
             self._watched = self._names(directory)
+            target = self._outside_target(directory)
+            where = [directory] if target is None else [directory, target.parent]
             try:
                 async for _changes in awatch(
-                    directory,
+                    *where,
                     debounce=200,
                     step=50,
                     recursive=False,
-                    watch_filter=lambda _change, path: Path(path).name in self._watched,
+                    watch_filter=functools.partial(self._wanted, target),
                 ):
                     await self._settle()
                     self.reload()
                     self._watched = self._names(directory)
+                    if self._outside_target(directory) != target:
+                        break  # the link now points elsewhere: watch there instead
+                continue  # at once: no retry delay after a break
             except Exception:
                 # Without this the task would end silently and every later edit be ignored.
                 log.exception("config file watch failed; watching %s again", directory)
@@ -141,6 +149,23 @@ class ConfigWatcher:
             return self._read()
         except ConfigError:
             return None  # unreadable: the reload that follows reports why
+
+    def _wanted(self, target: Path | None, _change: object, path: str) -> bool:
+        """An entry the path reads through (by name, in its directory), or the outside target."""
+        p = Path(path)
+        return p.name in self._watched or p == target
+
+    def _outside_target(self, directory: Path) -> Path | None:
+        """The file the path resolves to, when that is outside ``directory`` (a ConfigMap's
+        ``..data`` targets stay inside it, and are followed by name)."""
+        try:
+            target = self.path.resolve(strict=True)
+            target.relative_to(directory.resolve())
+        except (OSError, RuntimeError):
+            return None  # gone, or a link loop: the reload that follows says why
+        except ValueError:
+            return target
+        return None
 
     def _names(self, directory: Path) -> frozenset[str]:
         """Entries of `directory` that reading the path goes through: its own name and those of

@@ -149,3 +149,31 @@ async def test_every_configmap_update_is_applied(tmp_path: Path) -> None:
         await w.stop()
     urls = [s.workers[0].url for s in applied]
     assert urls == [f"http://127.0.0.1:{p}" for p in (9002, 9003, 9004)], urls
+
+
+async def test_a_link_to_a_file_elsewhere_follows_edits_of_that_file(tmp_path: Path) -> None:
+    # config.toml -> /etc/kvgate/real.toml: the target is edited in place, in a directory the
+    # link's own does not contain. Watching only the link's directory missed every such edit.
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "run").mkdir()
+    real = tmp_path / "etc" / "real.toml"
+    real.write_text(_cfg(9001), encoding="utf-8")
+    cfg = tmp_path / "run" / "config.toml"
+    cfg.symlink_to(real)
+    applied: list[Settings] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, lambda _m: None)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)
+        real.write_text(_cfg(9002), encoding="utf-8")
+        assert await _until(lambda: any(s.workers[0].url.endswith(":9002") for s in applied))
+        # ... and after the link is pointed at another file elsewhere, that file's edits.
+        other = tmp_path / "etc" / "other.toml"
+        other.write_text(_cfg(9003), encoding="utf-8")
+        (tmp_path / "run" / "next").symlink_to(other)
+        os.replace(tmp_path / "run" / "next", cfg)
+        assert await _until(lambda: any(s.workers[0].url.endswith(":9003") for s in applied))
+        other.write_text(_cfg(9004), encoding="utf-8")
+        assert await _until(lambda: any(s.workers[0].url.endswith(":9004") for s in applied))
+    finally:
+        await w.stop()

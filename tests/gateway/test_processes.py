@@ -373,18 +373,22 @@ def test_sighup_and_admin_reload_reach_every_process(
     gateways: Callable[..., Gateway],
     processes: int,
 ) -> None:
-    """The config is a symlink swapped to another file (as a Kubernetes ConfigMap is updated): the
-    file watcher sees no change of the file it watches, so only SIGHUP can load the new one."""
+    """The config's directory is a symlink swapped to another directory: the file watcher keeps
+    watching the first one (it follows a swapped file link, a ConfigMap's, and an edited
+    target, not a swapped directory), so SIGHUP or POST /admin/reload must load the new file."""
     fleet = sims(1)
-    real, conf = tmp_path / "real", tmp_path / "conf"
-    real.mkdir()
-    conf.mkdir()
     port = free_port()
-    (real / "a.toml").write_text(config_text(port, fleet.urls, redis.url), encoding="utf-8")
     text_b = config_text(port, fleet.urls, redis.url, max_queued="77")
-    link = conf / "kvgate.toml"
-    link.symlink_to(real / "a.toml")
-    gw = gateways(link, processes=processes, workers=1)
+    for name, text in (
+        ("a", config_text(port, fleet.urls, redis.url)),
+        ("b", text_b),
+        ("c", text_b.replace("max_queued = 77", "max_queued = 78")),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kvgate.toml").write_text(text, encoding="utf-8")
+    conf = tmp_path / "conf"
+    conf.symlink_to(tmp_path / "a")
+    gw = gateways(conf / "kvgate.toml", processes=processes, workers=1)
 
     def reloads() -> list[float]:
         m = gw.metrics()
@@ -392,9 +396,11 @@ def test_sighup_and_admin_reload_reach_every_process(
             return [m["kvgate_config_reloads_total"]]
         return [m[f'kvgate_config_reloads_total{{process="{k}"}}'] for k in range(processes)]
 
-    (real / "b.toml").write_text(text_b, encoding="utf-8")
-    (conf / "next").symlink_to(real / "b.toml")
-    os.replace(conf / "next", link)
+    def swap(to: str) -> None:
+        (tmp_path / "next").symlink_to(tmp_path / to)
+        os.replace(tmp_path / "next", conf)
+
+    swap("b")
     time.sleep(1.0)
     assert reloads() == [0] * processes  # the watcher did not load it
     gw.proc.send_signal(signal.SIGHUP)
@@ -402,9 +408,7 @@ def test_sighup_and_admin_reload_reach_every_process(
     assert gw.proc.poll() is None
 
     # POST /admin/reload reaches one process; it passes the reload on to the others.
-    (real / "c.toml").write_text(text_b.replace("max_queued = 77", "max_queued = 78"))
-    (conf / "next").symlink_to(real / "c.toml")
-    os.replace(conf / "next", link)
+    swap("c")
     r = httpx.post(
         gw.url + "/admin/reload", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
     )
