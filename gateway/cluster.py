@@ -11,8 +11,11 @@ queued-prefill tokens) and reads everyone else's, in ONE pipelined round trip:
     PEXPIRE <prefix>load <10 x expiry>             (the hash goes away with the last replica)
     HGETALL <prefix>load
     HDEL    <prefix>load <expired ids>             (only when a peer has just expired)
-    XADD    <prefix>learned MAXLEN ~ N r <id> b <batch>   (this replica's new dispatches)
-    XREAD   COUNT 64 STREAMS <prefix>learned <last id>    (everyone's, since the last read)
+
+and, at the same time, in a pipeline and a timeout of its own (what replicas learn, below):
+
+    XADD    <prefix>learned MAXLEN ~ N r <id> s <seq> b <batch>  (new dispatches, <= 1 MB each)
+    XREAD   COUNT n STREAMS <prefix>learned <last id>            (everyone's, since the last read)
     TIME                                           (ages the entries read: see below)
 
 and sets ``Worker.remote_in_flight`` / ``remote_prefill_tokens`` from the sums
@@ -40,23 +43,43 @@ PUBLISH is broadcast to every node. Staleness target: 100 ms at the default 50 m
 dispatch waits for its replica's next write, then for the reader's next read: up to two intervals
 plus a round trip); tests/gateway/test_cluster_e2e.py measures it between two real gateways.
 
-The second half is what replicas learn (`scoring.learned`, `workers.learned_share`): every
-dispatch is noted in a bounded journal on the request path (one tuple append), shipped as one
-stream entry per sync, and replayed by each peer into its own approximate prefix index and session
-table (in KV-event mode also into the precise index's pending dispatches, until the first token:
-what no event shows yet), so a prefix or session one replica routed goes to the same worker
-through any replica
-(without it, four replicas each learned a quarter of the fleet: Mooncake hit rate 35.5% -> 10.8%
-offline). A stream, not the hash: learned state is a log of events that every reader must see
-once and in order, where load is a current value. Its entry ids carry Redis' own milliseconds, so
-``TIME`` in the same round trip tells each reader how long an entry waited in Redis without
-comparing two hosts' clocks; ``kvgate_cluster_learned_lag_seconds`` is dispatch-to-learned,
+The second half is what replicas learn (`scoring.learned`, `workers.learned_share`): every dispatch
+is noted in a bounded journal on the request path (one tuple append), shipped as one stream entry
+per sync (a backlog as several), and replayed by each peer into its own approximate prefix index and
+session table (in KV-event mode also into the precise index's pending dispatches, until the first
+token: what no event shows yet), so a prefix or session one replica routed goes to the same worker
+through any replica (without it, four replicas each learned a quarter of the fleet: Mooncake hit
+rate 35.5% -> 10.8% offline). A stream, not the hash: learned state is a log of events that every
+reader must see once and in order, where load is a current value. Its entry ids carry Redis' own
+milliseconds, so ``TIME`` in the same round trip tells each reader how long an entry waited in Redis
+without comparing two hosts' clocks; ``kvgate_cluster_learned_lag_seconds`` is dispatch-to-learned,
 measured by test_cluster_learned.py at a median ~20-30 ms, p99 ~60 ms on a loaded 2-core box. A
 replica that starts (or comes back) reads the stream's history, up to ``learned_stream_maxlen``
-batches, 64 per sync: a warm start. While Redis is down the journal keeps the dispatches (oldest
-dropped past ``learned_journal_max``) and publishes them on the first good round trip; a duplicate
-from a publish that timed out after Redis ran it is harmless (recording a chain twice changes
-nothing; a session's note only wins over an older turn).
+batches: a warm start.
+
+Everything on the learned path is bounded in bytes and in work per sync, not in dispatches: a
+dispatch is ~0.5 KB on the wire in text mode but up to 64 KB in KV-event mode (8 bytes a worker
+block), and when Redis came back after an outage, one 4096-dispatch batch (~64 MB) could not be
+encoded, written and read back within ``op_timeout_s``; it was written anyway, counted as a
+failure and sent again every sync, and the heartbeat failed with it (see
+tests/gateway/test_cluster_backlog.py). So:
+- each sync packs the journal's new dispatches into rows (8 bytes a block, not the request's
+  ~40-byte ints), outside any timeout, into an outbox of batches of at most
+  ``LEARNED_BATCH_BYTES``. While Redis is down the outbox is what waits, bounded by
+  ``learned_journal_max`` dispatches and ``learned_journal_max`` KB (oldest batches dropped,
+  counted), so an outage costs the oldest notes, never GBs;
+- a sync publishes at most ``LEARNED_SEND_BYTES`` of it (one batch after a failure), in a pipeline
+  and a timeout apart from the heartbeat's: a slow learned write or read never makes the replica
+  degraded, nor stops load sharing;
+- a batch keeps its per-replica ``s`` (sequence) until Redis confirms it: a publish that timed
+  out after Redis ran it is sent again under the same ``s``, and readers skip an ``s`` they
+  already took from that replica. A reader of an older version ignores ``s`` and replays the
+  copy, which is harmless (recording a chain twice changes nothing; a session's note only wins
+  over an older turn); this version takes an older publisher's entries, which have no ``s``;
+- a read's COUNT follows the entries' size (about ``LEARNED_READ_BYTES`` a read, one entry after
+  a failed read), and what it returned is replayed at most ``LEARNED_APPLY_MAX`` dispatches a
+  sync, yielding the event loop every ``LEARNED_APPLY_CHUNK``: a backlog (a warm start, peers
+  publishing theirs) is caught up over several syncs, never in one stall of the event loop.
 
 Liveness is judged on each reader's own clock (`workers.load_view`): a peer whose sequence number
 has not moved for ``expiry_s`` counts for nothing, and readers delete its field. Redis down: every
@@ -74,6 +97,7 @@ import os
 import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -89,19 +113,27 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.config import ClusterSettings
-from scoring.learned import Journal, apply_learned
+from scoring.learned import Journal, Learned, apply_learned
 from scoring.state import RoutingState
-from workers.learned_share import decode_batch, encode_batch
+from workers.learned_share import decode_batch, frame_batch, pack_entry
 from workers.load_view import Load, LoadView, encode_snapshot
 from workers.registry import Registry
 
 log = logging.getLogger("kvgate.cluster")
 
-# Dispatches per published batch (one stream entry), and batches read per sync: a replica behind
-# by more (a warm start on a long stream) catches up over several syncs rather than stalling its
-# event loop on one.
-LEARNED_BATCH_MAX = 4096
-LEARNED_READ_MAX = 64
+# The learned path's bounds, in bytes and in work per sync (see the module docstring).
+LEARNED_BATCH_BYTES = 1 << 20  # one stream entry (a single larger row goes alone)
+LEARNED_SEND_BYTES = 2 << 20  # published per sync: a backlog drains over several
+LEARNED_READ_BYTES = 4 << 20  # what one read aims at: its COUNT follows the entries' size
+LEARNED_READ_MAX = 64  # stream entries per read, at most
+LEARNED_READ_START = 4  # ... at a start (the history may hold another replica's backlog)
+LEARNED_APPLY_MAX = 4096  # dispatches replayed per sync; the rest wait for the next syncs
+LEARNED_APPLY_CHUNK = 512  # ... yielding the event loop in between (~2-5 ms of work each)
+# Outbox bytes allowed per ``learned_journal_max`` dispatch: the ~1 KB the option documents. A
+# text-mode dispatch packs to ~0.2-0.6 KB, so the count binds there; a KV-event one to ~8 bytes a
+# worker block (16 KB for a 32k-token prompt), where the bytes bind.
+LEARNED_BACKLOG_BYTES_PER_ENTRY = 1024
+LEARNED_SEEN_MAX = 4096  # publishers whose last batch sequence is remembered (ids per process)
 
 State = Literal["starting", "ok", "degraded"]
 STATES: tuple[State, ...] = ("starting", "ok", "degraded")
@@ -136,6 +168,31 @@ def make_client(url: str, op_timeout_s: float) -> Redis:
         max_connections=4,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError, RedisTimeoutError)),
     )
+
+
+def _seq(raw: Any) -> int | None:
+    """A stream entry's batch sequence; None when absent (an older publisher) or not a count."""
+    if raw is None:
+        return None
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return v if v > 0 else None
+
+
+class _Outgoing:
+    """A batch of this replica's packed dispatches waiting for Redis to confirm it. Its ``seq``
+    never changes once it has been sent (Redis may have stored a send that timed out), so
+    readers can tell a re-send from a new batch; rows are only added before its first send."""
+
+    __slots__ = ("rows", "sent", "seq", "size")
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.rows: list[bytes] = []
+        self.size = 0
+        self.sent = False
 
 
 class ClusterSync:
@@ -184,6 +241,26 @@ class ClusterSync:
         self.learned_published = 0
         self.learned_applied = 0
         self.learned_malformed = 0
+        self.learned_dropped = 0  # packed dispatches the outbox dropped (beyond its budget)
+        self.learned_duplicates = 0  # peer batches skipped: a re-send of one already taken
+        self.learned_failures = 0  # learned round trips that failed (the heartbeat's apart)
+        self.backlog_max = cfg.learned_journal_max
+        # Publishing: packed batches, oldest first, until Redis confirms them.
+        self._outbox: deque[_Outgoing] = deque()
+        self.outbox_bytes = 0
+        self._outbox_rows = 0
+        self._batch_seq = 0
+        # Reading: stream payloads read, with when each was published on this replica's clock,
+        # waiting to be replayed; the batch being replayed, where it stands, and its chains' use.
+        self._inbox: deque[tuple[bytes, float]] = deque()
+        self._replaying: list[Learned] = []
+        self._replayed = 0
+        self._replay_chains = True
+        self._read_count = LEARNED_READ_START
+        self._seen: dict[bytes, int] = {}  # publisher -> the last batch sequence taken from it
+        self._learn_streak = 0  # learned round trips failed in a row
+        self._learn_failing = False  # ... and logged as such
+        self._learn_error = ""
         if self.routing is not None:
             self.routing.journal = Journal(cfg.learned_journal_max)
         self.learned_lag = Histogram(
@@ -215,6 +292,7 @@ class ClusterSync:
         self.op_timeout_s = cfg.op_timeout_s
         self.view.expiry_s = cfg.expiry_s
         self.learn_maxlen = cfg.learned_stream_maxlen
+        self.backlog_max = cfg.learned_journal_max
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -267,14 +345,35 @@ class ClusterSync:
 
     async def sync_once(self) -> bool:
         """Write this replica's snapshot (and its new dispatches), read everyone's, apply. False
-        when Redis did not answer (the local view then ages as usual)."""
+        when Redis did not answer the heartbeat (the local view then ages as usual); the
+        learned traffic runs beside it, on its own timeout, and its failures count apart."""
+        state = self.routing
+        if state is None:
+            return await self._sync_load()
+        ok, learned = await asyncio.gather(
+            self._sync_load(), self._sync_learned(state), return_exceptions=True
+        )
+        for r in (ok, learned):
+            if isinstance(r, BaseException):
+                raise r
+        if learned is False and ok and not self._learn_failing:
+            self._learn_failing = True
+            log.warning(
+                "cluster: sharing learned state through %s failed (%s); load sharing goes on, "
+                "retrying with one batch and one stream entry a sync",
+                redact_url(self.url),
+                self._learn_error,
+            )
+        elif learned is True and self._learn_failing:
+            self._learn_failing = False
+            log.warning("cluster: sharing learned state works again")
+        return ok is True
+
+    async def _sync_load(self) -> bool:
         self.seq += 1
         blob = encode_snapshot(self.seq, self.local_loads())
         gone = [r for r in self.view.expired() if r in self._in_store]
-        keep_ms = max(60_000, int(self.view.expiry_s * 10_000))
-        state = self.routing
-        batch = state.journal.take(LEARNED_BATCH_MAX) if state and state.journal else []
-        sent = self.clock()  # the policies' clock: entries' `at` are on it
+        keep_ms = self._keep_ms()
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.op_timeout_s):
@@ -282,23 +381,10 @@ class ClusterSync:
                 pipe.hset(self.key, self.replica_id, blob)
                 pipe.pexpire(self.key, keep_ms)
                 pipe.hgetall(self.key)
-                if state is not None:
-                    if batch:
-                        pipe.xadd(
-                            self.learn_key,
-                            {"r": self.replica_id, "b": encode_batch(state.key, batch, sent)},
-                            maxlen=self.learn_maxlen,
-                            approximate=True,
-                        )
-                        pipe.pexpire(self.learn_key, keep_ms)
-                    pipe.xread({self.learn_key: self.learn_last_id}, count=LEARNED_READ_MAX)
-                    pipe.time()
                 if gone:
                     pipe.hdel(self.key, *gone)
                 res = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as e:
-            if batch:  # a publish that may not have happened: again next time (a duplicate is
-                state.journal.put_back(batch)  # type: ignore[union-attr]  # harmless)
             self._down(e)
             self.apply()
             return False
@@ -309,37 +395,186 @@ class ClusterSync:
         self._in_store = set(raw).difference(gone)
         self._up(now)
         self.apply(now)
-        if state is not None:
-            self.learned_published += len(batch)
-            i = 5 if batch else 3
-            self._learn(state, res[i], res[i + 1], now)
         return True
 
-    def _learn(self, state: RoutingState, read: Any, redis_time: Any, now: float) -> None:
-        """Replay the peers' batches read from the stream into this replica's state."""
-        if not read:
+    def _keep_ms(self) -> int:
+        return max(60_000, int(self.view.expiry_s * 10_000))
+
+    async def _sync_learned(self, state: RoutingState) -> bool:
+        """Publish part of the outbox, read the peers' new batches when the last read is
+        replayed, then replay a bounded share. False when the round trip failed."""
+        await self._pack_journal(state)
+        batches = self._to_send()
+        read = not self._inbox and self._replayed >= len(self._replaying)
+        ok = True
+        if batches or read:
+            ok = await self._learn_round_trip(state, batches, read)
+        await self._replay(state)
+        return ok
+
+    async def _pack_journal(self, state: RoutingState) -> None:
+        """Move the journal's notes into the outbox as rows. Every sync, Redis up or down: the
+        journal's tuples (~40 bytes a block) then live one sync, the rows (8 bytes a block)
+        as long as Redis needs, within the outbox's budget. Newest first, so that notes the
+        budget would drop at once are never packed."""
+        journal = state.journal
+        if journal is None or not journal:
             return
+        entries = journal.take(len(journal))
+        budget = self.backlog_max * LEARNED_BACKLOG_BYTES_PER_ENTRY
+        rows: list[bytes] = []
+        size = packed = 0
+        for e in reversed(entries):
+            if rows and (size >= budget or len(rows) >= self.backlog_max):
+                break
+            row = pack_entry(e)
+            rows.append(row)
+            size += len(row)
+            packed += len(row)
+            if packed >= LEARNED_BATCH_BYTES:  # a backlog of MBs: let requests in between
+                packed = 0
+                await asyncio.sleep(0)
+        self.learned_dropped += len(entries) - len(rows)
+        del entries
+        out = self._outbox
+        tail = out[-1] if out and not out[-1].sent else None
+        for row in reversed(rows):
+            if tail is None or (tail.rows and tail.size + len(row) > LEARNED_BATCH_BYTES):
+                self._batch_seq += 1
+                tail = _Outgoing(self._batch_seq)
+                out.append(tail)
+            tail.rows.append(row)
+            tail.size += len(row)
+        self.outbox_bytes += size
+        self._outbox_rows += len(rows)
+        while len(out) > 1 and (self.outbox_bytes > budget or self._outbox_rows > self.backlog_max):
+            b = out.popleft()
+            self.outbox_bytes -= b.size
+            self._outbox_rows -= len(b.rows)
+            self.learned_dropped += len(b.rows)
+
+    def _to_send(self) -> list[_Outgoing]:
+        """The oldest batches, up to LEARNED_SEND_BYTES (at least one); only one while the
+        learned round trip keeps failing, so it gets through on a slow link too."""
+        limit = 0 if self._learn_streak else LEARNED_SEND_BYTES
+        out: list[_Outgoing] = []
+        size = 0
+        for b in self._outbox:
+            if out and size + b.size > limit:
+                break
+            out.append(b)
+            size += b.size
+        return out
+
+    async def _learn_round_trip(
+        self, state: RoutingState, batches: list[_Outgoing], read: bool
+    ) -> bool:
+        sent = self.clock()  # the policies' clock: entries' `at` are on it
+        frames = [frame_batch(state.key, b.rows, sent) for b in batches]  # before the timeout
+        count = self._read_count
+        for b in batches:
+            b.sent = True
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                pipe = self.client.pipeline(transaction=False)
+                for b, frame in zip(batches, frames, strict=True):
+                    pipe.xadd(
+                        self.learn_key,
+                        {"r": self.replica_id, "s": b.seq, "b": frame},
+                        maxlen=self.learn_maxlen,
+                        approximate=True,
+                    )
+                if batches:
+                    pipe.pexpire(self.learn_key, self._keep_ms())
+                if read:
+                    pipe.xread({self.learn_key: self.learn_last_id}, count=count)
+                    pipe.time()
+                res = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as e:
+            # The batches stay, under their seq: sent again, skipped by whoever has them.
+            self.learned_failures += 1
+            self._learn_streak += 1
+            self._learn_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self._read_count = 1
+            return False
+        self._learn_streak = 0
+        for b in batches:  # the outbox's head: only _pack_journal changes it, and it ran before
+            self._outbox.popleft()
+            self.outbox_bytes -= b.size
+            self._outbox_rows -= len(b.rows)
+            self.learned_published += len(b.rows)
+        if read:
+            i = len(batches) + (1 if batches else 0)
+            self._take_read(res[i], res[i + 1], count)
+        return True
+
+    def _take_read(self, read: Any, redis_time: Any, count: int) -> None:
+        """Queue the peers' batches just read for replay (not this replica's own, nor a
+        re-send of a batch already taken), and size the next read from this one."""
+        if not read:
+            self._read_count = min(LEARNED_READ_MAX, max(count, LEARNED_READ_START))
+            return
+        now = self.clock()
         redis_ms = int(redis_time[0]) * 1000 + int(redis_time[1]) // 1000
-        known = self.registry.workers
-        key = state.key
         me = self.replica_id.encode()
+        seen = self._seen
+        n = size = 0
         for _stream, entries in read:
             for entry_id, fields in entries:
                 self.learn_last_id = entry_id
-                if fields.get(b"r") == me:
+                payload = fields.get(b"b", b"")
+                n += 1
+                size += len(payload)
+                who = fields.get(b"r")
+                if who == me:
                     continue
+                seq = _seq(fields.get(b"s"))
+                if who is not None and seq is not None:
+                    if seq <= seen.get(who, 0):
+                        self.learned_duplicates += 1
+                        continue
+                    seen.pop(who, None)  # most recent last: the oldest publisher goes first
+                    seen[who] = seq
+                    if len(seen) > LEARNED_SEEN_MAX:
+                        del seen[next(iter(seen))]
                 age_s = max(0, redis_ms - int(entry_id.split(b"-", 1)[0])) / 1000
-                got = decode_batch(fields.get(b"b", b""), now - age_s)
+                self._inbox.append((payload, now - age_s))
+        if size > LEARNED_READ_BYTES:
+            self._read_count = max(1, count // 2)
+        elif n >= count and size * 2 <= LEARNED_READ_BYTES:
+            self._read_count = min(LEARNED_READ_MAX, count * 2)
+
+    async def _replay(self, state: RoutingState) -> None:
+        """Replay up to LEARNED_APPLY_MAX queued dispatches into this replica's state, yielding
+        the event loop every LEARNED_APPLY_CHUNK; the rest waits for the next sync."""
+        budget = LEARNED_APPLY_MAX
+        known = self.registry.workers
+        while budget > 0:
+            if self._replayed >= len(self._replaying):
+                if not self._inbox:
+                    self._replaying, self._replayed = [], 0
+                    return
+                raw, published = self._inbox.popleft()
+                got = decode_batch(raw, published)
                 if got is None:
                     self.learned_malformed += 1
                     continue
                 batch_key, learned = got
-                if not learned:
-                    continue
-                self.learned_applied += apply_learned(
-                    state, learned, known=known, with_chains=batch_key == key
-                )
-                self.learned_lag.observe(now - min(e.at for e in learned))
+                self._replaying, self._replayed = learned, 0
+                self._replay_chains = batch_key == state.key
+                if learned:
+                    self.learned_lag.observe(self.clock() - min(e.at for e in learned))
+                continue
+            i = self._replayed
+            n = min(budget, LEARNED_APPLY_CHUNK, len(self._replaying) - i)
+            chunk = self._replaying[i : i + n]
+            self._replayed = i + n
+            budget -= n
+            self.learned_applied += apply_learned(
+                state, chunk, known=known, with_chains=self._replay_chains
+            )
+            if budget > 0 and (self._replayed < len(self._replaying) or self._inbox):
+                await asyncio.sleep(0)
 
     def apply(self, now: float | None = None) -> None:
         """Set every worker's remote load from the live peers' sums (zero for the rest)."""
@@ -443,18 +678,35 @@ class ClusterCollector(Collector):
                 ),
                 (
                     "kvgate_cluster_learned_dropped",
-                    "Dispatches never shared: the journal was full (Redis down for long)",
-                    s.routing.journal.dropped if s.routing.journal else 0,
+                    "Dispatches never shared: the journal or its outbox was full (Redis down "
+                    "for long)",
+                    s.learned_dropped + (s.routing.journal.dropped if s.routing.journal else 0),
                 ),
                 (
                     "kvgate_cluster_learned_malformed",
                     "Peer batches skipped because they did not decode",
                     s.learned_malformed,
                 ),
+                (
+                    "kvgate_cluster_learned_duplicates",
+                    "Peer batches skipped as re-sends of one already learned (a publish that "
+                    "timed out after Redis stored it)",
+                    s.learned_duplicates,
+                ),
+                (
+                    "kvgate_cluster_learned_sync_failures",
+                    "Learned-state round trips (publish, read) that Redis did not answer in time",
+                    s.learned_failures,
+                ),
             ):
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(v))
                 yield c
+            yield GaugeMetricFamily(
+                "kvgate_cluster_learned_backlog_bytes",
+                "This replica's packed dispatches waiting to be published (Redis down or slow)",
+                value=float(s.outbox_bytes),
+            )
         c = CounterMetricFamily(
             "kvgate_cluster_malformed_snapshots",
             "Peer snapshots skipped because they did not decode (another version, or garbage)",

@@ -426,11 +426,14 @@ class ClusterSettings(_Section):
     # session affinity) through a Redis stream, so a prefix routed by one replica is routed to
     # the same worker by all; false = share load only.
     share_learned: bool = True
-    # Batches (one per replica per sync) the stream keeps: a replica that starts reads them to
-    # warm its index. ~50-100 B per dispatch in a batch.
+    # Batches (one per replica per sync; a backlog goes as several of at most 1 MB) the stream
+    # keeps: a replica that starts reads them to warm its index. ~0.1-0.6 KB per dispatch in
+    # text mode, 8 bytes a worker block in KV-event mode (16 KB for a 32k-token prompt).
     learned_stream_maxlen: int = Field(2000, ge=10)
-    # Dispatches held for sharing while Redis is unreachable (~0.2-1 KB each); the oldest are
-    # dropped beyond it.
+    # Dispatches held for sharing while Redis is unreachable, packed, within a budget of 1 KB
+    # each (~50 MB at the default): ~0.1-0.6 KB a text-mode dispatch, 8 bytes a worker block in
+    # KV-event mode (16 KB for a 32k-token prompt: ~3,000 of those fit); the oldest are dropped
+    # beyond it (kvgate_cluster_learned_dropped_total).
     learned_journal_max: int = Field(50_000, ge=1)
 
     @model_validator(mode="after")
