@@ -5,6 +5,7 @@ import math
 import random
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -239,15 +240,22 @@ def test_a_holder_saturated_on_kv_only_keeps_its_prefix() -> None:
     assert d.worker.name == "cold" and d.reason == "load_fallback"
 
 
+# 4,096 blocks of 16 tokens (65k tokens of KV), as weka-agentic's small-cache cell.
+_CAP: dict[str, Any] = {"num_blocks": 4096, "block_size": 16, "in_flight_at_scrape": 0}
+
+
+def _hot_and_cold(**hot: Any) -> tuple[KVAware, list[WorkerView]]:
+    """A session ("s") whose prompt "hot" holds, beside an empty worker "cold"."""
+    p = KVAware(rng=random.Random(0))
+    p.on_dispatch("hot", key(p, chat("x"), session_id="s"))
+    return p, [WorkerView("hot", **hot, **_CAP), WorkerView("cold", **_CAP)]
+
+
 def test_a_full_holder_without_room_for_the_tail_yields_to_a_worker_with_room() -> None:
     # 4,096 blocks of 16 tokens; the holder's running requests fill 95% of them. A ~60-token tail
     # fits beside them, a ~3,000-token one does not: that request would wait there for a running
     # decode to end (no queue shows it), however long it takes, while the empty worker starts it.
-    p = KVAware(rng=random.Random(0))
-    r = key(p, chat("x"), session_id="s")
-    p.on_dispatch("hot", r)
-    cap = {"num_blocks": 4096, "block_size": 16, "in_flight_at_scrape": 0}
-    views = [WorkerView("hot", kv_usage=0.95, running=2, **cap), WorkerView("cold", **cap)]
+    p, views = _hot_and_cold(kv_usage=0.95, running=2)
     short = p.choose(views, key(p, chat("y" * 240), session_id="s"))
     assert short.worker.name == "hot" and short.reason == "affinity"
     long = p.choose(views, key(p, chat("y" * 12_000), session_id="s"))
@@ -257,7 +265,7 @@ def test_a_full_holder_without_room_for_the_tail_yields_to_a_worker_with_room() 
     # holder is still the better bet: it keeps its prefix.
     other = key(p, chat("other tenant " * 4_000), session_id="t")  # ~13k tokens, live at "cold"
     p.on_dispatch("cold", other)
-    crowded = [views[0], WorkerView("cold", kv_usage=0.85, running=4, **cap)]
+    crowded = [views[0], WorkerView("cold", kv_usage=0.85, running=4, **_CAP)]
     d = p.choose(crowded, key(p, chat("y" * 12_000), session_id="s"))
     assert d.worker.name == "hot" and d.reason == "affinity"
 
@@ -267,17 +275,13 @@ def test_a_full_holder_keeps_a_tail_that_fits_and_yields_once_requests_queue_the
     # the holder's KV is nearly full of that context. A turn whose tail still fits beside them
     # starts there at once (sent elsewhere, it prefilled the whole context on a cold worker:
     # weka-agentic on 8 x 4,096 blocks lost 2 points of hit rate that way).
-    p = KVAware(rng=random.Random(0))
-    r = key(p, chat("x"), session_id="s")
-    p.on_dispatch("hot", r)
-    cap = {"num_blocks": 4096, "block_size": 16, "in_flight_at_scrape": 0}
-    views = [WorkerView("hot", kv_usage=0.975, running=8, **cap), WorkerView("cold", **cap)]
+    p, views = _hot_and_cold(kv_usage=0.975, running=8)
     # ~650 tokens (1% of the cache) beyond what the holder has: 98.5% full with it.
     fits = p.choose(views, key(p, chat("y" * 2_600), session_id="s"))
     assert fits.worker.name == "hot" and fits.reason == "affinity"
     # A request already waiting there means vLLM found no blocks for it: the next one would
     # wait behind it for a running decode to end, while the empty worker starts it now.
-    queued = [WorkerView("hot", kv_usage=0.975, running=8, waiting=1, **cap), views[1]]
+    queued = [WorkerView("hot", kv_usage=0.975, running=8, waiting=1, **_CAP), views[1]]
     d = p.choose(queued, key(p, chat("y" * 2_600), session_id="s"))
     assert d.worker.name == "cold" and d.reason == "load_fallback"
 
