@@ -303,7 +303,8 @@ class ClusterSync:
 
     async def stop(self) -> None:
         """Stop syncing; a last write of an empty snapshot tells peers at once that this
-        replica's load is gone (they then expire it like any silent peer)."""
+        replica's load is gone (they then expire it like any silent peer), and a last publish
+        shares the dispatches made since the last sync."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -317,6 +318,15 @@ class ClusterSync:
                 self.seq += 1
                 async with asyncio.timeout(self.op_timeout_s):
                     await self.client.hset(self.key, self.replica_id, encode_snapshot(self.seq, {}))
+            state = self.routing
+            if state is not None:
+                # The dispatches since the last sync: peers keep routing on what this replica
+                # learned, so they are published too (bounded like any sync; lost on failure).
+                with contextlib.suppress(Exception):
+                    await self._pack_journal(state)
+                    batches = self._to_send()
+                    if batches:
+                        await self._learn_round_trip(state, batches, read=False)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.op_timeout_s + 1.0):
                 await self.client.aclose()

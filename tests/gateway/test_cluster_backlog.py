@@ -268,3 +268,19 @@ async def test_an_outage_holds_no_more_than_the_journal_budget_and_counts_the_re
     used, lost = await kept_for_sharing(cfg, 600)
     assert used < 2000 * 1024, f"{used / 2**20:.1f} MiB kept for a 2 MB budget"
     assert lost > 0
+
+
+async def test_a_replica_that_stops_publishes_the_dispatches_since_its_last_sync() -> None:
+    port = free_port()
+    cfg = ClusterSettings(enabled=True, key_prefix="kvt:{stop}:")
+    a, policy = replica(cfg, port, "a", kv_events=False)
+    b, _ = replica(cfg, port, "b", kv_events=False)
+    with RedisServer(port):
+        assert await a.sync_once() and await b.sync_once()
+        chain = tuple(range(100, 108))
+        policy.on_dispatch("w2", RouteRequest("m", chain=chain, session_id="s"))
+        await a.stop()  # no sync in between: only the stop can share it
+        assert await b.sync_once()
+        await b.stop()
+    assert b.learned_applied == 1
+    assert b.routing is not None and b.routing.index.match(chain) == {"w2": len(chain)}
