@@ -169,7 +169,9 @@ async def test_catching_up_on_a_backlog_does_not_stall_the_event_loop() -> None:
     character prompts) replays the stream's history over several syncs; requests on its event
     loop wait at most a fraction of a second (one sync replayed all of it: 1.8 s)."""
     port = free_port()
-    cfg = ClusterSettings(enabled=True, key_prefix="kvt:{stall}:")
+    # a generous timeout: a loaded CI host may take over 0.5 s for one read, and that failed
+    # sync is not what this test is about (the loop's gaps are)
+    cfg = ClusterSettings(enabled=True, key_prefix="kvt:{stall}:", op_timeout_s=5.0)
     a, policy = replica(cfg, port, "a", kv_events=False)
     rng = random.Random(3)
     n = cfg.learned_journal_max
