@@ -15,6 +15,7 @@ import os
 import signal
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import ConfigError, Settings, load_settings
@@ -29,6 +30,17 @@ _SETTLE_S = 0.2
 _RETRY_S = 5.0
 # Symlinks followed to find what in the directory the path reads through (bounds a link loop).
 _MAX_LINKS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where reading the path leads, as far as choosing what to watch goes: when any of it
+    differs after a change, the watch is set up again (a watch stays on the inode it was set
+    on, so one of a directory swapped for another would go on watching the old one)."""
+
+    target: Path | None  # the file, when it is outside the path's directory
+    links: frozenset[tuple[Path, str]]  # links on the way outside that directory, and their text
+    directory: tuple[int, int] | None  # (st_dev, st_ino) of the directory the path is read in
 
 
 class ConfigWatcher:
@@ -51,6 +63,7 @@ class ConfigWatcher:
         self._on_error = on_error
         self._task: asyncio.Task[None] | None = None
         self._watched: frozenset[str] = frozenset()
+        self._links: frozenset[Path] = frozenset()
 
     def reload(self) -> bool:
         try:
@@ -110,11 +123,23 @@ class ConfigWatcher:
         # the watcher per write below it.
         # A link to a file elsewhere (config.toml -> /etc/kvgate/real.toml) is followed too: that
         # file's own directory is watched for it, so an edit of the target in place applies.
+        # So is a link the directory itself is reached through (/etc/kvgate -> /srv/cfg-v1, then
+        # `ln -sfn /srv/cfg-v2 /etc/kvgate`): the swap is a rename in the link's parent, which
+        # is watched for the link's name, and the watch is moved to the new directory.
         directory = self.path.absolute().parent
+        failed: _Layout | None = None  # where things stood when the watch last failed
         while True:
             self._watched = self._names(directory)
-            target = self._outside_target(directory)
+            layout = self._layout(directory)
+            if failed is not None and layout != failed:
+                # Changed while nothing watched (a link pointed at a directory not there yet,
+                # then pointed right or the directory made): no event will tell of it.
+                self.reload()
+            failed = None
+            target = layout.target
+            self._links = frozenset(link for link, _text in layout.links)
             where = [directory] if target is None else [directory, target.parent]
+            where += sorted({link.parent for link in self._links} - set(where))
             try:
                 async for _changes in awatch(
                     *where,
@@ -126,12 +151,13 @@ class ConfigWatcher:
                     await self._settle()
                     self.reload()
                     self._watched = self._names(directory)
-                    if self._outside_target(directory) != target:
-                        break  # the link now points elsewhere: watch there instead
+                    if self._layout(directory) != layout:
+                        break  # a link now points elsewhere: watch there instead
                 continue  # at once: no retry delay after a break
             except Exception:
                 # Without this the task would end silently and every later edit be ignored.
                 log.exception("config file watch failed; watching %s again", directory)
+                failed = layout
             await asyncio.sleep(_RETRY_S)
 
     async def _settle(self) -> None:
@@ -151,9 +177,42 @@ class ConfigWatcher:
             return None  # unreadable: the reload that follows reports why
 
     def _wanted(self, target: Path | None, _change: object, path: str) -> bool:
-        """An entry the path reads through (by name, in its directory), or the outside target."""
+        """An entry the path reads through (by name, in its directory), the outside target, or
+        a link on the way to either (by its path, in its own parent)."""
         p = Path(path)
-        return p.name in self._watched or p == target
+        return p.name in self._watched or p == target or p in self._links
+
+    def _layout(self, directory: Path) -> _Layout:
+        """What the watch depends on, read now (see `_Layout`)."""
+        try:
+            st = os.stat(directory)
+            ident: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            ident = None  # gone: the watch fails and is set up again, the reload says why
+        return _Layout(self._outside_target(directory), self._links_outside(directory), ident)
+
+    def _links_outside(self, directory: Path) -> frozenset[tuple[Path, str]]:
+        """Every symlink reading the path goes through, with its text, except those in
+        ``directory`` itself (followed by name, see `_names`).
+
+        Each one's target is searched too: ``/etc/kvgate -> /opt/current`` with ``/opt/current
+        -> /srv/cfg-v1`` is swapped by replacing ``/opt/current``. A link's target is kept as
+        written, not normalised: ``..`` after a link leaves the link's target, not its parent.
+        """
+        links: dict[Path, str] = {}
+        todo = [self.path.absolute()]
+        while todo and len(links) < _MAX_LINKS:
+            path = todo.pop()
+            for prefix in (*reversed(path.parents), path):
+                if prefix in links:
+                    continue
+                try:
+                    text = os.readlink(prefix)
+                except OSError:
+                    continue  # not a link, or not there: nothing that can be swapped
+                links[prefix] = text
+                todo.append(prefix.parent / text)
+        return frozenset((link, text) for link, text in links.items() if link.parent != directory)
 
     def _outside_target(self, directory: Path) -> Path | None:
         """The file the path resolves to, when that is outside ``directory`` (a ConfigMap's

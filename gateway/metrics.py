@@ -427,6 +427,18 @@ class KVEventCollector(Collector):
         for (w, reason), n in sorted(sink.resets.items()):
             resets.add_metric([w, reason], float(n))
         yield resets
+        # Received but never indexed: without it a worker whose events are all ignored (a
+        # hybrid model's other groups, vLLM 0.11 LoRA blocks) looks like one with a cold cache.
+        skipped = CounterMetricFamily(
+            "kvgate_kv_events_skipped",
+            "KV events received but not applied to the precise index, by reason",
+            labels=["worker", "reason"],
+        )
+        for w, st in stats.items():
+            for reason, n in sink.skip_counts(w).items():
+                skipped.add_metric([w, reason], float(n))
+            skipped.add_metric([w, "unknown_type"], float(st.skipped_events))
+        yield skipped
         size = GaugeMetricFamily(
             "kvgate_precise_index_blocks", "Blocks the precise index holds", labels=["worker"]
         )

@@ -25,13 +25,26 @@ from scoring.prefix import seed_for
 from workers.kv_events import KVEventStats, KVEventSubscriber
 from workers.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["KVEndpoint", "KVEventFleet", "PreciseSink"]
+__all__ = ["SKIP_REASONS", "KVEndpoint", "KVEventFleet", "PreciseSink"]
 
 log = logging.getLogger("kvgate.kv_events")
 
 # What a worker's removals are filtered by until one of its stores names a full-attention group:
 # a plain decoder has one group, 0, and releases before group_idx send none (decoded as 0).
 _PLAIN_GROUPS: frozenset[int] = frozenset({0})
+
+# Why a stored block was left out of the index; a fixed set, so a per-reason series per worker
+# stays bounded (`kvgate_kv_events_skipped_total`).
+SKIP_NOT_FULL_ATTENTION = "not_full_attention"  # a hybrid model's sliding-window/mamba group
+SKIP_LORA_ID_ONLY = "lora_id_only"  # vLLM 0.11: an adapter by id, no name to seed its chain with
+SKIP_UNKNOWN_MODEL = "unknown_model"  # the worker's served model is not known (yet)
+SKIP_UNKNOWN_BLOCK_SIZE = "unknown_block_size"  # neither the event nor the worker's metrics say
+SKIP_REASONS: tuple[str, ...] = (
+    SKIP_NOT_FULL_ATTENTION,
+    SKIP_LORA_ID_ONLY,
+    SKIP_UNKNOWN_MODEL,
+    SKIP_UNKNOWN_BLOCK_SIZE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +75,9 @@ class PreciseSink:
         self.block_size_of = block_size_of
         self.clock = clock
         self.resets: Counter[tuple[str, str]] = Counter()  # (worker, reason)
-        # events of other KV groups, of a LoRA known only by id, or of an unknown model
-        self.skipped: Counter[str] = Counter()
+        # (worker, one of SKIP_REASONS): stores that could not be indexed. Exported, because a
+        # worker whose every store is skipped looks, from routing alone, like a cold cache.
+        self.skips: Counter[tuple[str, str]] = Counter()
         # worker -> the KV-cache groups its indexed stores came from (none yet: _PLAIN_GROUPS)
         self._groups: dict[str, frozenset[int]] = {}
 
@@ -75,7 +89,8 @@ class PreciseSink:
         for ev in events:
             if isinstance(ev, BlockStored):
                 if not ev.is_full_attention:
-                    self.skipped[worker] += 1  # hybrid models: only full attention is prefix KV
+                    # hybrid models: only full attention is prefix KV
+                    self.skips[(worker, SKIP_NOT_FULL_ATTENTION)] += 1
                     continue
                 # The default is replaced by the first store even of group 0, so that a later
                 # full-attention group adds to 0 rather than taking its place.
@@ -84,12 +99,13 @@ class PreciseSink:
                 if ev.lora_id is not None and ev.lora_name is None:
                     # vLLM 0.11 names the adapter by id only, and the id cannot be mapped to
                     # the name requests are seeded with: not the base model's blocks either.
-                    self.skipped[worker] += 1
+                    self.skips[(worker, SKIP_LORA_ID_ONLY)] += 1
                     continue
                 model = ev.lora_name or self.model_of(worker)
                 bs = ev.block_size or self.block_size_of(worker)
                 if model is None or bs <= 0:
-                    self.skipped[worker] += 1
+                    why = SKIP_UNKNOWN_MODEL if model is None else SKIP_UNKNOWN_BLOCK_SIZE
+                    self.skips[(worker, why)] += 1
                     continue
                 idx.stored(
                     worker,
@@ -110,6 +126,19 @@ class PreciseSink:
                 self.resets[(worker, "cleared")] += 1
                 idx.clear(worker)
 
+    def skip_counts(self, worker: str) -> dict[str, int]:
+        """The worker's skipped stores by reason, every reason present (0 until one happens),
+        so its series exist from the first scrape and the first skip shows as an increase."""
+        return {why: self.skips[(worker, why)] for why in SKIP_REASONS}
+
+    @property
+    def skipped(self) -> Counter[str]:
+        """Stores skipped per worker, whatever the reason (`skips` has the reasons)."""
+        out: Counter[str] = Counter()
+        for (worker, _why), n in self.skips.items():
+            out[worker] += n
+        return out
+
     def _learn_group(self, worker: str, group: int) -> frozenset[int]:
         """Evictions are reported per KV-cache group, and in a hybrid model the full-attention
         group need not be group 0; only a store tells which groups hold prefix KV (vLLM puts
@@ -123,6 +152,13 @@ class PreciseSink:
         """The worker's groups describe one engine: a restart (or another server behind the
         name) may bring another layout, learned anew from its stores."""
         self._groups.pop(worker, None)
+
+    def remove(self, worker: str) -> None:
+        """The worker is no longer subscribed: its skip counts go with it (its other per-worker
+        series, read from its subscriber, go too), so names that come and go cannot pile up."""
+        self.forget(worker)
+        for key in [k for k in self.skips if k[0] == worker]:
+            del self.skips[key]
 
     def reset(self, worker: str, reason: str) -> None:
         self.resets[(worker, reason)] += 1
@@ -162,7 +198,7 @@ class KVEventFleet:
                 del self._subs[name]
                 await sub.stop()
                 self.sink.index.remove_worker(name)
-                self.sink.forget(name)
+                self.sink.remove(name)
         for name, ep in endpoints.items():
             if name in self._subs:
                 continue

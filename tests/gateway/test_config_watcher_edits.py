@@ -1,7 +1,8 @@
 """The config watcher against the ways files really change: truncate-then-write, writes in
-parts, and a Kubernetes ConfigMap's symlink swaps. A reload must only ever apply a whole file the
-writer is done with; anything else keeps the running config (an empty file, valid as a config,
-would mean no fleet and no tenants: anonymous requests accepted)."""
+parts, a Kubernetes ConfigMap's symlink swaps, and a config directory that is itself a link
+swapped to another directory. A reload must only ever apply a whole file the writer is done
+with; anything else keeps the running config (an empty file, valid as a config, would mean no
+fleet and no tenants: anonymous requests accepted)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,109 @@ async def test_a_link_to_a_file_elsewhere_follows_edits_of_that_file(tmp_path: P
         assert await _until(lambda: any(s.workers[0].url.endswith(":9004") for s in applied))
     finally:
         await w.stop()
+
+
+def _point(link: Path, to: Path | str) -> None:
+    """`ln -sfn to link`: a new link renamed over the old one, so readers never see no link."""
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.symlink_to(to)
+    os.replace(tmp, link)
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["dir-link", "dir-link-to-a-link"])
+async def test_a_swapped_directory_link_is_followed(tmp_path: Path, chain: bool) -> None:
+    # /etc/kvgate -> /srv/cfg-v1, then `ln -sfn /srv/cfg-v2 /etc/kvgate`: the file's own
+    # directory is the link. A watch of the directory stays on cfg-v1 and saw nothing after the
+    # swap. With `chain`, /etc/kvgate -> /opt/current -> cfg-vN and /opt/current is the link
+    # swapped (relative, through "..": where it points is not its own directory).
+    srv, etc, opt = tmp_path / "srv", tmp_path / "etc", tmp_path / "opt"
+    for d in (srv, etc, opt):
+        d.mkdir()
+    for v in (1, 2, 3):
+        (srv / f"cfg-v{v}").mkdir()
+        (srv / f"cfg-v{v}" / "config.toml").write_text(_cfg(9000 + v), encoding="utf-8")
+    swapped = opt / "current" if chain else etc / "kvgate"
+    _point(swapped, Path("..") / "srv" / "cfg-v1" if chain else srv / "cfg-v1")
+    if chain:
+        _point(etc / "kvgate", opt / "current")
+    cfg = etc / "kvgate" / "config.toml"
+    applied: list[Settings] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, lambda _m: None)
+    await w.start()
+
+    def seen(port: int) -> Callable[[], bool]:
+        return lambda: any(s.workers[0].url.endswith(f":{port}") for s in applied)
+
+    try:
+        await asyncio.sleep(0.5)
+        _point(swapped, Path("..") / "srv" / "cfg-v2" if chain else srv / "cfg-v2")
+        assert await _until(seen(9002)), "the swap to cfg-v2 was not applied"
+        shutil.rmtree(srv / "cfg-v1")  # the old directory goes, as after a rollout
+        # ... then edits of the new directory's file in place ...
+        (srv / "cfg-v2" / "config.toml").write_text(_cfg(9012), encoding="utf-8")
+        assert await _until(seen(9012)), "an edit in the new directory was not applied"
+        # ... and the next swap.
+        _point(swapped, Path("..") / "srv" / "cfg-v3" if chain else srv / "cfg-v3")
+        assert await _until(seen(9003)), "the swap to cfg-v3 was not applied"
+    finally:
+        await w.stop()
+    urls = [s.workers[0].url for s in applied]
+    assert urls == [f"http://127.0.0.1:{p}" for p in (9002, 9012, 9003)], urls
+
+
+async def test_a_swap_of_the_directory_to_an_empty_file_keeps_the_running_config(
+    tmp_path: Path,
+) -> None:
+    # The guarantees hold across a directory swap too: an empty file (valid TOML, no fleet, no
+    # tenants) behind the new link is rejected and reported; a later good one applies.
+    for v, text in ((1, _cfg(9001)), (2, ""), (3, _cfg(9003))):
+        (tmp_path / f"v{v}").mkdir()
+        (tmp_path / f"v{v}" / "config.toml").write_text(text, encoding="utf-8")
+    _point(tmp_path / "conf", tmp_path / "v1")
+    cfg = tmp_path / "conf" / "config.toml"
+    applied: list[Settings] = []
+    errors: list[str] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)
+        _point(tmp_path / "conf", tmp_path / "v2")
+        assert await _until(lambda: any("no settings" in e for e in errors)), errors
+        assert applied == [] and w.current.workers[0].url.endswith(":9001")
+        _point(tmp_path / "conf", tmp_path / "v3")
+        assert await _until(lambda: bool(applied))
+    finally:
+        await w.stop()
+    assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9003"]
+
+
+async def test_a_swap_to_a_missing_directory_and_back_is_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A slip (`ln -sfn /srv/cfg-v2 ...` before cfg-v2 exists) is reported, not fatal; while the
+    # link points nowhere there is no directory to watch, so the fix, whether the link is
+    # pointed right or the directory created, must still be picked up by the watch's retry.
+    monkeypatch.setattr(config_watcher, "_RETRY_S", 0.2)
+    for v in (1, 3):
+        (tmp_path / f"v{v}").mkdir()
+        (tmp_path / f"v{v}" / "config.toml").write_text(_cfg(9000 + v), encoding="utf-8")
+    _point(tmp_path / "conf", tmp_path / "v1")
+    cfg = tmp_path / "conf" / "config.toml"
+    applied: list[Settings] = []
+    errors: list[str] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)
+        _point(tmp_path / "conf", tmp_path / "v2")  # not there (yet)
+        assert await _until(lambda: bool(errors)), "the missing file was not reported"
+        _point(tmp_path / "conf", tmp_path / "v3")
+        assert await _until(lambda: bool(applied)), "the link pointed right was not applied"
+        _point(tmp_path / "conf", tmp_path / "v2")
+        assert await _until(lambda: len(errors) >= 2)
+        (tmp_path / "v2").mkdir()  # ... and now the directory it names is created
+        (tmp_path / "v2" / "config.toml").write_text(_cfg(9002), encoding="utf-8")
+        assert await _until(lambda: len(applied) >= 2), "the created directory was not applied"
+    finally:
+        await w.stop()
+    assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9003", "http://127.0.0.1:9002"]

@@ -373,21 +373,20 @@ def test_sighup_and_admin_reload_reach_every_process(
     gateways: Callable[..., Gateway],
     processes: int,
 ) -> None:
-    """The config's directory is a symlink swapped to another directory: the file watcher keeps
-    watching the first one (it follows a swapped file link, a ConfigMap's, and an edited
-    target, not a swapped directory), so SIGHUP or POST /admin/reload must load the new file."""
+    """The config is rewritten in place through a hard link in another directory: inotify
+    reports a write to the watchers of the directory it was opened through, so the file watcher
+    (on the config's own directory) never sees it, and SIGHUP or POST /admin/reload must load
+    the new text. (A swapped file link, a ConfigMap's, an edited link target and a swapped
+    directory link are all seen by the watcher.)"""
     fleet = sims(1)
     port = free_port()
+    text_a = config_text(port, fleet.urls, redis.url)
     text_b = config_text(port, fleet.urls, redis.url, max_queued="77")
-    for name, text in (
-        ("a", config_text(port, fleet.urls, redis.url)),
-        ("b", text_b),
-        ("c", text_b.replace("max_queued = 77", "max_queued = 78")),
-    ):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "kvgate.toml").write_text(text, encoding="utf-8")
-    conf = tmp_path / "conf"
-    conf.symlink_to(tmp_path / "a")
+    conf, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    conf.mkdir()
+    elsewhere.mkdir()
+    (conf / "kvgate.toml").write_text(text_a, encoding="utf-8")
+    os.link(conf / "kvgate.toml", elsewhere / "kvgate.toml")  # one file, two directories
     gw = gateways(conf / "kvgate.toml", processes=processes, workers=1)
 
     def reloads() -> list[float]:
@@ -396,11 +395,11 @@ def test_sighup_and_admin_reload_reach_every_process(
             return [m["kvgate_config_reloads_total"]]
         return [m[f'kvgate_config_reloads_total{{process="{k}"}}'] for k in range(processes)]
 
-    def swap(to: str) -> None:
-        (tmp_path / "next").symlink_to(tmp_path / to)
-        os.replace(tmp_path / "next", conf)
+    def edit(text: str) -> None:
+        (elsewhere / "kvgate.toml").write_text(text, encoding="utf-8")  # in place: same inode
+        assert (conf / "kvgate.toml").read_text(encoding="utf-8") == text
 
-    swap("b")
+    edit(text_b)
     time.sleep(1.0)
     assert reloads() == [0] * processes  # the watcher did not load it
     gw.proc.send_signal(signal.SIGHUP)
@@ -408,7 +407,7 @@ def test_sighup_and_admin_reload_reach_every_process(
     assert gw.proc.poll() is None
 
     # POST /admin/reload reaches one process; it passes the reload on to the others.
-    swap("c")
+    edit(text_b.replace("max_queued = 77", "max_queued = 78"))
     r = httpx.post(
         gw.url + "/admin/reload", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
     )
