@@ -38,6 +38,8 @@ from workers.registry import Registry
 from workers.worker import Worker
 
 log = logging.getLogger("kvgate.proxy")
+# Bytes of a worker's 5xx body kept (and, give or take one read, read) for the client's error.
+ERROR_BODY_MAX = 64 * 1024
 # Settlements of whole responses whose client left mid-way, kept referenced until they end.
 _SETTLING: set[asyncio.Future[None]] = set()
 
@@ -259,17 +261,35 @@ class Proxy:
 
 
 async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
+    """A worker's 5xx body, for its own error envelope (`_upstream_error`): at most
+    ``ERROR_BODY_MAX`` bytes kept, and not much more read (what one read brings, bounded by the
+    upstream client's buffer). A broken worker streaming a huge or endless error body must not
+    make the gateway buffer all of it until the timeout: past the cap the connection is aborted
+    (it cannot be reused mid-body) and the error is built from what came."""
+    nxt = reader(resp)
+    parts: list[bytes] = []
+    size = 0
+    ended = False
     try:
         async with asyncio.timeout(timeout):
-            body = await resp.read()
+            while size < ERROR_BODY_MAX:
+                chunk = await nxt()
+                if not chunk:
+                    ended = True
+                    break
+                parts.append(chunk)
+                size += len(chunk)
     except (TimeoutError, UpstreamStreamError):
         await resp.abort()
         return b""
     except BaseException:  # cancelled (the client left): the connection must not leak either
         await resp.abort()
         raise
-    await resp.release()
-    return body[:65536]
+    if ended:
+        await resp.release()
+    else:
+        await resp.abort()
+    return b"".join(parts)[:ERROR_BODY_MAX]
 
 
 def _upstream_error(status: int, body: bytes) -> APIError:

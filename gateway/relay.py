@@ -82,7 +82,7 @@ class RelayResponse(Response):
         # (asyncio.timeout enter/exit/reschedule was ~5% of the loop's time under load).
         self._stall_every = max(0.05, min(1.0, timeouts.client_stall_s / 4, timeouts.idle_s / 4))
         self._last_chunk = 0.0  # perf_counter of the worker's last chunk (or the stream start)
-        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.Handle | None = None  # the next check (`_check_stall`)
         self._watch: DisconnectWatch | None = None  # a client that leaves cancels the stream
         self._settling = False  # _complete is running: the stall check must not cancel it
         self._acks: AckProbe | None = None  # the client's TCP progress, where the kernel says
@@ -141,7 +141,7 @@ class RelayResponse(Response):
                 self._stall_timer.cancel()
             streams.pop(me, None)
             watch.stop()
-            if watch.gone:
+            if watch.gone and not self._finished:  # a settled outcome is final
                 call.outcome = "client_disconnect"
                 self._life.metrics.client_disconnects.inc()
             if self._done:
@@ -238,33 +238,12 @@ class RelayResponse(Response):
                     await self._send(send, self._pending)
                 raise UpstreamStreamError("worker closed the stream without [DONE]")
         except (UpstreamStreamError, TimeoutError) as e:
-            reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
-            # A stable message per reason: clients branch on it, and the transport's own words
-            # (aiohttp internals, addresses) belong in the log, not in a tenant's stream.
-            msg = _STREAM_ERRORS[reason]
-            call.outcome = reason
-            self._life.metrics.stream_errors.labels(reason).inc()
-            log.warning(
-                # The text, not the exception: a record that keeps an exception keeps its
-                # traceback, and with it this request's frames, body and relay, for as long as
-                # any handler holds the record (the writer's queue, a test's log capture).
-                "request %s on %s: %s (%s)",
-                call.request_id,
-                call.worker,
-                reason,
-                str(e) or type(e).__name__,
-            )
-            if self._out:  # complete events the client had no room for yet
-                await self._flush(send)
-            # An event may have been cut in half; end it before the error event.
-            tail = b"\n\n" if self._pending else b""
-            await self._send(
-                send,
-                tail
-                + sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502),
-            )
-            await self._end(send)
-            return
+            if not (isinstance(e, TimeoutError) and self._done):
+                await self._fail(send, e)
+                return
+            # The timer's cut (idle_s, deadline) was asked for, but the splice fed the worker's
+            # [DONE] before this task woke up to take it: the stream is whole, not timed out.
+            ended = False  # `_drain_upstream` reads the worker's stream on to its end
         # Everything is settled before the client sees the end: a client that starts its next
         # request on [DONE] must find its concurrency lease and the worker's slot already free
         # (else a false 429 at max_concurrent).
@@ -272,6 +251,42 @@ class RelayResponse(Response):
         call.outcome = "ok"
         await self._end(send, self._take_out() + _DONE)
         await self._drain_upstream(ended)
+
+    async def _fail(self, send: Send, e: UpstreamStreamError | TimeoutError) -> None:
+        """End the stream with the in-band error event for ``e`` (its one terminal event).
+
+        The stream leaves ``streams`` first: it is ending already, and a drain's cut
+        (`cut_streams`) arriving while the error event is sent would add a second error event
+        and a second [DONE]. What bounds these sends is the stall check, as for any send."""
+        me = asyncio.current_task()
+        if me is not None:
+            self._life.streams.pop(me, None)
+        call = self._call
+        reason = "idle_timeout" if isinstance(e, TimeoutError) else "upstream_broken"
+        # A stable message per reason: clients branch on it, and the transport's own words
+        # (aiohttp internals, addresses) belong in the log, not in a tenant's stream.
+        msg = _STREAM_ERRORS[reason]
+        call.outcome = reason
+        self._life.metrics.stream_errors.labels(reason).inc()
+        log.warning(
+            # The text, not the exception: a record that keeps an exception keeps its
+            # traceback, and with it this request's frames, body and relay, for as long as
+            # any handler holds the record (the writer's queue, a test's log capture).
+            "request %s on %s: %s (%s)",
+            call.request_id,
+            call.worker,
+            reason,
+            str(e) or type(e).__name__,
+        )
+        if self._out:  # complete events the client had no room for yet
+            await self._flush(send)
+        # An event may have been cut in half; end it before the error event.
+        tail = b"\n\n" if self._pending else b""
+        await self._send(
+            send,
+            tail + sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502),
+        )
+        await self._end(send)
 
     async def _drain_upstream(self, ended: bool) -> None:
         """After [DONE]: read the worker's stream to its end (its terminating chunk usually came
@@ -373,25 +388,58 @@ class RelayResponse(Response):
         self._sending = 0.0
 
     def _client_stalled(self, call: Call) -> None:
-        # Cut off: the response stays unfinished, so the server closes the connection.
+        """Cut off: the response stays unfinished, so the server closes the connection.
+
+        Past the settlement (a stall while [DONE] is sent, or while `_drain_upstream` reads the
+        worker's tail) the cut only frees the task and the upstream connection: the outcome the
+        call was settled, charged and logged under is final, and it is not counted again."""
+        if self._finished:
+            return
         call.outcome = "client_stalled"
         self._life.metrics.stream_errors.labels("client_stalled").inc()
         log.warning("request %s: client stopped reading; stream cut off", call.request_id)
 
     def _check_stall(self, task: asyncio.Task[Any]) -> None:
+        """The stream's timer: the worker's side (`_worker_overdue`), then the client's
+        (`_check_client`)."""
+        now = time.perf_counter()
+        if self._worker_overdue(now):
+            # Cut one loop step later, not now: a worker read handled in this same iteration
+            # (I/O runs before timers, on asyncio and on uvloop's libuv) may have woken the task
+            # with a chunk it has not taken yet (the generic relay takes chunks in its task),
+            # and that wake-up runs before a callback scheduled now. The chunk resets the idle
+            # clock or ends the stream; once it is taken, the recheck sees which.
+            self._stall_timer = asyncio.get_running_loop().call_soon(self._cut_for_worker, task)
+            return
+        self._check_client(task, now)
+
+    def _worker_overdue(self, now: float) -> bool:
+        """The pump waits on a worker silent past ``idle_s``, or past the total deadline."""
+        return (
+            self._waiting.awaiting
+            # Not once [DONE] is in: the task is about to settle, it only has not run yet.
+            # (After the end is out, the wait is `_drain_upstream`'s, bounded by these too.)
+            and (self._ended or not self._done)
+            and (now - self._last_chunk > self._t.idle_s or now > self._deadline)
+        )
+
+    def _cut_for_worker(self, task: asyncio.Task[Any]) -> None:
+        """The worker's cut, asked for by `_check_stall` one loop step ago, if still due."""
+        now = time.perf_counter()
+        if not self._worker_overdue(now):
+            self._check_client(task, now)
+            return
+        self._waiting.idle_cut = True  # the pump turns this cancel into the idle-timeout error
+        task.cancel()
+        # Still watched: the error event's send can block on a client that stopped reading.
+        self._stall_timer = asyncio.get_running_loop().call_later(
+            self._stall_every, self._check_stall, task
+        )
+
+    def _check_client(self, task: asyncio.Task[Any], now: float) -> None:
         """Cut off a client that stopped reading within ``client_stall_s`` of the last byte its
         TCP stack accepted (``AckProbe``), however much the buffers between could still absorb;
         a send blocked past that window (no probe) or past the total deadline cuts it too."""
-        now = time.perf_counter()
-        waiting = self._waiting
-        if waiting.awaiting and (now - self._last_chunk > self._t.idle_s or now > self._deadline):
-            waiting.idle_cut = True  # the pump turns this cancel into the idle-timeout error
-            task.cancel()
-            # Still watched: the error event's send can block on a client that stopped reading.
-            self._stall_timer = asyncio.get_running_loop().call_later(
-                self._stall_every, self._check_stall, task
-            )
-            return
         started = self._sending
         stalled = bool(started) and now > self._deadline and not self._settling
         if self._acks_of is not None:
