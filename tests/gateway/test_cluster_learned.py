@@ -90,7 +90,15 @@ async def test_without_sharing_the_other_replica_routes_blind(
     async with two_replicas(s) as (a, b, c):
         for i in range(PROMPTS):
             await send(c, a, convo(i))
-        await asyncio.sleep(0.3)  # several sync intervals
+        # Several syncs, counted rather than slept through (a loaded host may run none in a
+        # fixed pause, and the control would pass for that alone): one of A's that starts after
+        # its last dispatch, then one of B's that starts after that one ended.
+        assert a.gw.cluster is not None and b.gw.cluster is not None
+        ca, cb = a.gw.cluster, b.gw.cluster
+        seq_a = ca.seq
+        await until(lambda: ca.seq >= seq_a + 2, 10, "A synced after its dispatches")
+        seq_b = cb.seq
+        await until(lambda: cb.seq >= seq_b + 2, 10, "B synced after A")
         for i in range(PROMPTS):
             await send(c, b, convo(i, turns=2))
         assert affinity_decisions(await a.metrics()) == 0  # every conversation was new to A ...

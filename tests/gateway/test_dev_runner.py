@@ -152,7 +152,13 @@ async def test_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path: Path) -
         lines = r.aiter_lines()
         assert (await anext(lines)).startswith("data: ")
         _ctrl_c(dev.proc)
-        await asyncio.sleep(0.3)  # the drain has started
+        # The drain has started (polled: /ready fails once the first Ctrl-C is handled; two
+        # signals sent before the process runs again would arrive as one).
+        async with httpx.AsyncClient(timeout=5) as probe:
+            deadline = time.monotonic() + 10
+            while (await probe.get(dev.url + "/ready")).status_code != 503:
+                assert time.monotonic() < deadline, "the first Ctrl-C never started the drain"
+                await asyncio.sleep(0.02)
         _ctrl_c(dev.proc)
         stderr = await _exit_by(dev, time.monotonic() + SECOND_CTRL_C_EXIT_S)
         with contextlib.suppress(httpx.HTTPError):

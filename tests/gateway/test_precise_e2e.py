@@ -18,7 +18,15 @@ from pathlib import Path
 import httpx
 
 from gateway.config import load_settings
-from tests.gateway.conftest import MODEL, flat_metrics, free_ports, run_gateway, settings_for
+from tests.gateway.conftest import (
+    MODEL,
+    RunningGateway,
+    flat_metrics,
+    free_ports,
+    run_gateway,
+    settings_for,
+    until,
+)
 from tests.support.sim_workers import SimFleet, run_sim_workers
 
 N = 4
@@ -69,6 +77,17 @@ async def _trusted(url: str, n: int, timeout: float = 30) -> None:
                     return
             assert time.monotonic() < deadline, f"gateway at {url} never got every worker in sync"
             await asyncio.sleep(0.1)
+
+
+def _events_in(g: RunningGateway, fleet: SimFleet) -> bool:
+    """The gateway has applied every KV event batch each worker has published so far."""
+    stats = g.gw.kv_fleet.stats()
+    for i, w in enumerate(fleet.workers):
+        assert w.kv_publisher is not None
+        sent = w.kv_publisher.buffered()
+        if sent and stats[f"w{i}"].last_seq != sent[-1][0]:
+            return False
+    return True
 
 
 async def test_two_gateway_processes_agree_from_the_same_kv_events(tmp_path: Path) -> None:
@@ -200,7 +219,9 @@ async def test_chat_in_token_mode_predicts_the_cached_tokens_the_worker_reports(
                 }
                 r = await c.post(g.url + "/v1/chat/completions", json=body)
                 assert r.status_code == 200
-                await asyncio.sleep(0.2)  # the first prompt's events land before the next one
+                # This prompt's events land before the next one (polled: a fixed 0.2 s pause
+                # was not always enough for the ZMQ hop on a loaded host).
+                await until(lambda: _events_in(g, fleet), 10, "the workers' KV events applied")
             m = await g.metrics()
         agree = m.get('kvgate_cached_tokens_predictions_total{outcome="agree",source="precise"}', 0)
         assert agree >= 3, {k: v for k, v in m.items() if "predictions" in k}

@@ -111,9 +111,11 @@ async def test_a_tier_sharing_the_reserve_is_not_held_up_by_its_lowest_priority_
 
     low = asyncio.create_task(request(0.6, 5.0))
     await asyncio.sleep(0.01)
-    mid = asyncio.create_task(request(0.65, 5.0))
-    hi = asyncio.create_task(request(0.7, 0.5))
-    await asyncio.wait_for(asyncio.gather(mid, hi), 2)
+    mid = asyncio.create_task(request(0.65, 30.0))
+    # Deadlines far beyond the bound below: the right behaviour admits both at once, the old
+    # one left `hi` queued behind `mid` (a short deadline only made a loaded host's pause fatal).
+    hi = asyncio.create_task(request(0.7, 30.0))
+    await asyncio.wait_for(asyncio.gather(mid, hi), 10)
     assert not low.done() and gw.admission.queued() == 1 and w1.in_flight == 4
     low.cancel()
     await asyncio.gather(low, return_exceptions=True)

@@ -36,8 +36,22 @@ async def keep_alive_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> Non
         await w.drain()
 
 
+# A generous connect bound: no test here is about connect timeouts, and a loaded host may take
+# longer than a second to see a loopback connect through.
+CONNECT_S = 10.0
+
+
+async def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll (a generous deadline, never one fixed pause) until `pred()` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, f"not within {timeout}s: {what}"
+        await asyncio.sleep(0.005)
+
+
 def client(**kw: float) -> H1Upstream:
-    args = {"connect_s": 1.0, "max_connections": 8, "keepalive_s": 30.0, **kw}
+    args = {"connect_s": CONNECT_S, "max_connections": 8, "keepalive_s": 30.0, **kw}
     return H1Upstream(**args)  # type: ignore[arg-type]
 
 
@@ -258,7 +272,8 @@ async def test_a_pooled_connection_the_worker_closed_is_not_reused() -> None:
         for _ in range(3):
             resp = await c.post(url, b"{}", {})
             assert await resp.read() == b"{}"
-            await asyncio.sleep(0.05)  # the FIN arrives while the connection is idle
+            # The FIN arrives while the connection is idle: it gives its slot back then.
+            await until(lambda: c.open_connections == 0, "the closed connection dropped")
         assert len(accepted) == 3
         assert c.open_connections == 0  # each closed one gave its slot back
 
@@ -297,7 +312,7 @@ async def test_at_the_connection_limit_callers_wait_and_cancelled_waiters_leak_n
     async with server(h) as (url, accepted):
         c = client(max_connections=2)
         first = [asyncio.create_task(c.post(url, b"{}", {})) for _ in range(2)]
-        await asyncio.sleep(0.1)
+        await until(lambda: len(accepted) == 2, "both connections accepted")
         waiting = asyncio.create_task(c.post(url, b"{}", {}))
         cancelled = asyncio.create_task(c.post(url, b"{}", {}))
         await asyncio.sleep(0.1)
@@ -419,7 +434,7 @@ async def test_a_close_delimited_body_is_a_complete_response(kind: str) -> None:
         if kind == "h1":
             c = client()
         else:
-            c = AiohttpUpstream(connect_s=1.0, max_connections=8, keepalive_s=30.0)
+            c = AiohttpUpstream(connect_s=CONNECT_S, max_connections=8, keepalive_s=30.0)
         resp = await c.post(url, b"{}", {})
         body = await resp.read()
         await resp.release()

@@ -45,8 +45,10 @@ def make_gate(url: str, **over: object) -> tuple[QuotaGate, GatewayMetrics]:
         key_prefix="gate:",
         breaker_failures=1,
         breaker_cooldown_s=0.2,
-        socket_timeout_s=0.2,
-        op_timeout_s=0.3,
+        # Generous: one slow round trip (a loaded host, an fsync per write here) must not open
+        # the breaker; the outages in these tests are a killed server, refused at once.
+        socket_timeout_s=2.0,
+        op_timeout_s=5.0,
         **over,  # type: ignore[arg-type]
     )
     metrics = GatewayMetrics()

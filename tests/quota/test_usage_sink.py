@@ -30,9 +30,11 @@ async def ids(client: aioredis.Redis, stream: str) -> list[str]:
 async def sink_on_redis(
     **kw: Any,
 ) -> AsyncIterator[tuple[RedisServer, aioredis.Redis, RedisStreamSink]]:
-    """A fresh redis-server (no persistence), a client with short timeouts, a sink on "usage"."""
+    """A fresh redis-server (no persistence), a client, a sink on "usage". Generous timeouts: a
+    write that a loaded host answers late must not count as an outage (the outages here are a
+    killed server, refused at once)."""
     with RedisServer() as server:
-        client = aioredis.from_url(server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        client = aioredis.from_url(server.url, socket_timeout=2.0, socket_connect_timeout=2.0)
         sink = RedisStreamSink(client, "usage", 1000, **kw)
         try:
             yield server, client, sink

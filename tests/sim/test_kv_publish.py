@@ -26,6 +26,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from bench.peers import free_ports
 from tests.support.sim_workers import SimFleet, run_sim_workers
@@ -38,7 +39,10 @@ from workers.sim.profiles import get_profile
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32"
 BS = 16
-SETTLE_S = 0.3  # a SUB socket misses what is published before its subscription reaches the PUB
+# A SUB socket misses what is published before its subscription reaches the PUB: `subscribe`
+# waits for the connection's handshake (however long a loaded host takes), then this margin for
+# the subscription that follows it.
+SETTLE_S = 0.3
 WAIT_S = 10.0
 
 
@@ -76,9 +80,28 @@ class Subscriber:
     def __init__(self, endpoint: str) -> None:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Before connecting, so the handshake cannot be missed (the gateway's subscriber does
+        # the same to know when it is connected).
+        self._mon: zmq.asyncio.Socket | None = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
         self.batches: list[Batch] = []
+
+    async def connected(self, timeout: float = WAIT_S) -> None:
+        """Until the connection to the publisher is up (its handshake done)."""
+        mon = self._mon
+        assert mon is not None
+        try:
+            while True:
+                msg = await asyncio.wait_for(mon.recv_multipart(), timeout)
+                if parse_monitor_message(msg)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+        finally:
+            self._mon = None
+            self.sock.disable_monitor()
+            mon.close(linger=0)
 
     async def wait_for(self, pred: Callable[[list[Batch]], bool], timeout: float = WAIT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -105,6 +128,9 @@ class Subscriber:
         return [e for b in self.batches for e in b.events if _kind(e) == kind]
 
     def close(self) -> None:
+        if self._mon is not None:
+            self._mon.close(linger=0)
+            self._mon = None
         self.sock.close(linger=0)
 
 
@@ -114,6 +140,11 @@ def _kind(e: Any) -> str:
 
 async def subscribe(endpoint: str) -> Subscriber:
     sub = Subscriber(endpoint)
+    try:
+        await sub.connected()
+    except BaseException:
+        sub.close()
+        raise
     await asyncio.sleep(SETTLE_S)
     return sub
 

@@ -700,11 +700,21 @@ async def test_fault_stall_after_tokens(client: httpx.AsyncClient, sim_fleet: Si
     await set_faults(client, base, stall_after_tokens=2)
     body = chat_body(max_tokens=50, stream=True)
     received = b""
+
+    def words() -> int:  # content words in the complete events so far
+        end = received.rfind(b"\n\n")
+        chunks = [orjson.loads(p) for p in split_sse(received[: end + 2])] if end >= 0 else []
+        return len("".join(c["choices"][0]["delta"]["content"] for c in chunks).split())
+
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
         it = r.aiter_raw()
+        # The two tokens, however slowly a loaded host delivers them (a bound against hanging
+        # only) ...
+        while words() < 2:
+            received += await asyncio.wait_for(anext(it), timeout=10)
+        # ... then nothing: the stream stalls (a third token or [DONE] here is the failure).
         with pytest.raises(TimeoutError):
-            while True:
-                received += await asyncio.wait_for(anext(it), timeout=1.0)
+            received += await asyncio.wait_for(anext(it), timeout=1.0)
     payloads = split_sse(received)
     assert b"[DONE]" not in payloads
     chunks = [orjson.loads(p) for p in payloads]

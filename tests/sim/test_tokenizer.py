@@ -89,7 +89,9 @@ def test_long_prompt_is_fast() -> None:
     ids = tok.encode(text)
     elapsed = time.perf_counter() - t0
     assert tok.decode(ids) == text
-    assert elapsed < 1.0  # a few ms in practice; the bound only catches a quadratic regression
+    # A few ms in practice; the bound only catches a quadratic regression (at this length,
+    # minutes), so it is generous enough for a loaded host.
+    assert elapsed < 5.0
 
 
 def test_chat_template_renders_roles_parts_tools_and_generation_prompt() -> None:

@@ -248,7 +248,8 @@ async def test_abort_from_another_task_wakes_a_waiting_consumer() -> None:
         consumer = asyncio.create_task(collect(handle))
         await asyncio.sleep(0.01)
         handle.abort()
-        tokens, _ = await asyncio.wait_for(consumer, 1)
+        # Well under the 5 s step the consumer would otherwise wait out, and generous.
+        tokens, _ = await asyncio.wait_for(consumer, 3)
         assert tokens == []
         assert loop.engine.kv_usage == 0
     finally:
@@ -261,10 +262,14 @@ async def test_stop_ends_open_streams_and_rejects_invalid_requests() -> None:
     with pytest.raises(ValueError):
         loop.submit(SimRequest("too-long", prompt(120), 20))
     handle = loop.submit(SimRequest("r", prompt(10), 100))
+    # The stream is open and under way (its first output in; waited for, not a fixed pause a
+    # loaded host may spend before the first step) ...
+    first = await asyncio.wait_for(anext(handle), 5)
     consumer = asyncio.create_task(collect(handle))
-    await asyncio.sleep(0.01)
     await loop.stop()
-    tokens, _ = await asyncio.wait_for(consumer, 1)
+    # ... and stopping ends it early (a bound only against hanging).
+    rest, _ = await asyncio.wait_for(consumer, 5)
+    tokens = first.new_token_ids + rest
     assert 0 < len(tokens) < 100
     assert not loop.engine.has_work()
 
