@@ -3,7 +3,8 @@ the quota conventions settle a disconnect (the prompt, plus nothing streamed): i
 the tenant's RPM and TPM. It used to be refunded whole, RPM included, so a tenant could fire
 unlimited prefills at a rate-limited key by abandoning each one.
 
-Worker: an in-process vLLM stand-in that takes 0.5 s to its first byte (a long prefill).
+Worker: an in-process vLLM stand-in that takes 5 s to its first byte (a long prefill: far more than
+the test needs to hang up before it, even on a loaded host).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import asyncio
 import contextlib
 import hashlib
 import socket
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import orjson
@@ -23,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.config import Settings
-from tests.gateway.conftest import MODEL, SCRIPTED_EVENTS, run_gateway, settings_for
+from tests.gateway.conftest import MODEL, SCRIPTED_EVENTS, run_gateway, settings_for, until
 
 KEY = "kvg-abandon-rpm"
 
@@ -43,7 +46,7 @@ async def slow_prefill_worker() -> AsyncIterator[tuple[str, list[int]]]:
         received.append(1)
 
         async def gen() -> AsyncIterator[bytes]:
-            await asyncio.sleep(0.5)  # prefill
+            await asyncio.sleep(5.0)  # prefill
             for ev in SCRIPTED_EVENTS:
                 yield ev
 
@@ -70,6 +73,19 @@ async def slow_prefill_worker() -> AsyncIterator[tuple[str, list[int]]]:
         sock.close()
 
 
+async def settled(g: Any, n: int) -> None:
+    """Until the gateway has recorded ``n`` requests (polled: the walk notices the hang-up and
+    settles on its own time, later on a loaded host)."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = await g.metrics()
+        done = sum(v for k, v in m.items() if k.startswith("kvgate_requests_total{"))
+        if done >= n:
+            return
+        assert time.monotonic() < deadline, f"{done} of {n} requests recorded"
+        await asyncio.sleep(0.05)
+
+
 async def test_streams_abandoned_before_their_first_token_count_against_rpm() -> None:
     async with slow_prefill_worker() as (url, received):
         base = settings_for([url])
@@ -92,7 +108,7 @@ async def test_streams_abandoned_before_their_first_token_count_against_rpm() ->
                 }
             )
             host, port = g.url.removeprefix("http://").split(":")
-            for _ in range(2):  # the whole burst, each attempt abandoned on the worker
+            for i in range(2):  # the whole burst, each attempt abandoned on the worker
                 _reader, writer = await asyncio.open_connection(host, int(port))
                 writer.write(
                     b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
@@ -101,9 +117,9 @@ async def test_streams_abandoned_before_their_first_token_count_against_rpm() ->
                     + body
                 )
                 await writer.drain()
-                await asyncio.sleep(0.15)  # on the worker, prefilling
+                await until(lambda n=i + 1: len(received) == n, 10, "on the worker, prefilling")
                 writer.transport.abort()  # the client gives up before the first token
-                await asyncio.sleep(0.1)
+                await settled(g, i + 1)
             async with httpx.AsyncClient(timeout=10) as c:
                 r = await c.post(
                     g.url + "/v1/chat/completions",

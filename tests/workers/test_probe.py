@@ -143,10 +143,11 @@ def slow_health(delay_s: float) -> Script:
 async def test_reloaded_longer_timeout_lets_a_slow_health_answer_through() -> None:
     async with server(slow_health(0.3)) as (url, _):
         r = Registry([WorkerSpec("w0", url)])
-        async with httpx.AsyncClient(timeout=httpx.Timeout(0.1)) as client:
+        # connect bounded generously: a loaded host's loopback connect is not what this tests
+        async with httpx.AsyncClient(timeout=httpx.Timeout(0.1, connect=5)) as client:
             p = Prober(r, client, interval_s=1, timeout_s=0.1)
             assert not await p.probe_once("w0")  # 0.3 s > 0.1 s
-            p.timeout_s = 2.0
+            p.timeout_s = 5.0
             assert await p.probe_once("w0"), r.workers["w0"].last_error
     assert r.workers["w0"].health is Health.HEALTHY
 
