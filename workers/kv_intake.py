@@ -154,11 +154,13 @@ class PreciseSink:
         self._groups.pop(worker, None)
 
     def remove(self, worker: str) -> None:
-        """The worker is no longer subscribed: its skip counts go with it (its other per-worker
-        series, read from its subscriber, go too), so names that come and go cannot pile up."""
+        """The worker is no longer subscribed: its skip and reset counts go with it (its other
+        per-worker series, read from its subscriber, go too), so names that come and go cannot
+        pile up."""
         self.forget(worker)
-        for key in [k for k in self.skips if k[0] == worker]:
-            del self.skips[key]
+        for counts in (self.skips, self.resets):
+            for key in [k for k in counts if k[0] == worker]:
+                del counts[key]
 
     def reset(self, worker: str, reason: str) -> None:
         self.resets[(worker, reason)] += 1

@@ -149,5 +149,8 @@ def test_a_store_that_cannot_be_keyed_is_skipped_with_its_reason() -> None:
     assert sink.skip_counts("w0") == {r: int(r == "unknown_model") for r in REASONS}
     assert sink.skip_counts("w1") == {r: 2 * (r == "unknown_block_size") for r in REASONS}
     assert sink.skipped == {"w0": 1, "w1": 2}
+    sink.reset("w0", "gap")
+    sink.reset("w1", "gap")
     sink.remove("w1")
     assert sink.skipped == {"w0": 1}
+    assert sink.resets == {("w0", "gap"): 1}  # a removed worker's reset series go too
