@@ -50,6 +50,16 @@ def request(stream: bool = True) -> bytes:
     return http_request(CHAT, body, headers={"content-type": "application/json"})
 
 
+async def whole_reply(g: Any) -> Any:
+    """One streaming request on a raw socket, read to the response's terminating chunk."""
+    sock = await connect(int(g.url.rsplit(":", 1)[1]))
+    try:
+        await send(sock, request())
+        return parse_response(await read_until(sock, b"0\r\n\r\n"))
+    finally:
+        sock.close()
+
+
 def stream_errors(gw: Any, reason: str) -> float:
     metrics = flat_metrics(generate_latest(gw.metrics.registry).decode())
     return metrics.get(f'kvgate_stream_errors_total{{reason="{reason}"}}', 0.0)
@@ -241,12 +251,7 @@ async def test_a_malformed_usage_value_does_not_break_a_complete_stream(client: 
         run_gateway(settings_for([url], upstream={"client": client})) as g,
     ):
         await g.wait_healthy(1)
-        sock = await connect(int(g.url.rsplit(":", 1)[1]))
-        try:
-            await send(sock, request())
-            resp = parse_response(await read_until(sock, b"0\r\n\r\n"))
-        finally:
-            sock.close()
+        resp = await whole_reply(g)
         assert resp.status == 200
         assert b'"hello"' in resp.body and b'"error"' not in resp.body, resp.body[-300:]
         assert resp.body.endswith(b"data: [DONE]\n\n"), resp.body[-300:]

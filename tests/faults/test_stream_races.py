@@ -43,6 +43,7 @@ from tests.faults.test_stream_endings import (
     SHUTDOWN,
     request,
     stream_errors,
+    whole_reply,
 )
 from tests.gateway.conftest import run_gateway, settings_for, until
 from tests.gateway.test_upstream_h1 import SSE_HEAD, sse_chunks
@@ -224,12 +225,7 @@ async def test_a_drain_cut_while_the_error_event_is_sent_adds_no_second_end(
         s = settings_for([url], timeouts={"first_byte_s": 10, "idle_s": 1.0, "total_s": 60})
         async with run_gateway(s) as g:
             await g.wait_healthy(1)
-            sock = await connect(int(g.url.rsplit(":", 1)[1]))
-            try:
-                await send(sock, request())
-                resp = parse_response(await read_until(sock, b"0\r\n\r\n"))
-            finally:
-                sock.close()
+            resp = await whole_reply(g)
             assert cuts, "the drain's cut ran"
             assert resp.status == 200
             assert b"first-event" in resp.body

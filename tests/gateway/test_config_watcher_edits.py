@@ -7,10 +7,11 @@ fleet and no tenants: anonymous requests accepted)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,22 @@ async def test_a_link_to_a_file_elsewhere_follows_edits_of_that_file(tmp_path: P
         await w.stop()
 
 
+@contextlib.asynccontextmanager
+async def _watching(
+    cfg: Path,
+) -> AsyncIterator[tuple[list[Settings], list[str], ConfigWatcher]]:
+    """A started watcher on ``cfg`` (its watch set up), what it applied and what it reported."""
+    applied: list[Settings] = []
+    errors: list[str] = []
+    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
+    await w.start()
+    try:
+        await asyncio.sleep(0.5)  # the watch is set up
+        yield applied, errors, w
+    finally:
+        await w.stop()
+
+
 def _point(link: Path, to: Path | str) -> None:
     """`ln -sfn to link`: a new link renamed over the old one, so readers never see no link."""
     tmp = link.with_name(link.name + ".tmp")
@@ -237,20 +254,12 @@ async def test_a_swap_of_the_directory_to_an_empty_file_keeps_the_running_config
         (tmp_path / f"v{v}").mkdir()
         (tmp_path / f"v{v}" / "config.toml").write_text(text, encoding="utf-8")
     _point(tmp_path / "conf", tmp_path / "v1")
-    cfg = tmp_path / "conf" / "config.toml"
-    applied: list[Settings] = []
-    errors: list[str] = []
-    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
-    await w.start()
-    try:
-        await asyncio.sleep(0.5)
+    async with _watching(tmp_path / "conf" / "config.toml") as (applied, errors, w):
         _point(tmp_path / "conf", tmp_path / "v2")
         assert await _until(lambda: any("no settings" in e for e in errors)), errors
         assert applied == [] and w.current.workers[0].url.endswith(":9001")
         _point(tmp_path / "conf", tmp_path / "v3")
         assert await _until(lambda: bool(applied))
-    finally:
-        await w.stop()
     assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9003"]
 
 
@@ -265,13 +274,7 @@ async def test_a_swap_to_a_missing_directory_and_back_is_applied(
         (tmp_path / f"v{v}").mkdir()
         (tmp_path / f"v{v}" / "config.toml").write_text(_cfg(9000 + v), encoding="utf-8")
     _point(tmp_path / "conf", tmp_path / "v1")
-    cfg = tmp_path / "conf" / "config.toml"
-    applied: list[Settings] = []
-    errors: list[str] = []
-    w = ConfigWatcher(cfg, load_settings(cfg), applied.append, errors.append)
-    await w.start()
-    try:
-        await asyncio.sleep(0.5)
+    async with _watching(tmp_path / "conf" / "config.toml") as (applied, errors, _w):
         _point(tmp_path / "conf", tmp_path / "v2")  # not there (yet)
         assert await _until(lambda: bool(errors)), "the missing file was not reported"
         _point(tmp_path / "conf", tmp_path / "v3")
@@ -281,6 +284,4 @@ async def test_a_swap_to_a_missing_directory_and_back_is_applied(
         (tmp_path / "v2").mkdir()  # ... and now the directory it names is created
         (tmp_path / "v2" / "config.toml").write_text(_cfg(9002), encoding="utf-8")
         assert await _until(lambda: len(applied) >= 2), "the created directory was not applied"
-    finally:
-        await w.stop()
     assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9003", "http://127.0.0.1:9002"]
