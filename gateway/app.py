@@ -78,6 +78,8 @@ log = logging.getLogger("kvgate.gateway")
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
+# What a drain answers every request it refuses or cuts off its worker (503 `shutting_down`).
+_SHUTTING_DOWN = "This gateway replica is shutting down; retry (another replica will answer)."
 
 
 def _base_model(w: Worker) -> str | None:
@@ -237,20 +239,27 @@ class Gateway:
         """Graceful shutdown, step one (SIGTERM): stop taking work, let in-flight work finish.
 
         /ready fails at once (load balancers stop sending), new requests and queued ones get 503
-        with Retry-After, in-flight requests get ``grace_s`` to finish; streams still running
-        then are ended with an SSE error event, and every one of them is settled (the relay's
-        cleanup charges what was streamed). The process exits after this returns.
+        with Retry-After, in-flight requests get ``grace_s`` to finish. Then streams still
+        running end with an SSE error event, and requests still waiting on their worker (no
+        first byte yet, or a whole response still generating) with the same 503 as new ones,
+        their upstream requests aborted: else they would outlive the drain until uvicorn
+        cancelled them into a plain-text 500. Every one of them is settled (the relay's cleanup
+        charges what was streamed; a request cut before any byte is refunded). The process
+        exits after this returns.
         """
         if grace_s is None:
             grace_s = self.settings.server.drain_grace_s
         self.draining = True
-        self.admission.close(
-            "This gateway replica is shutting down; retry (another replica will answer).", 1.0
-        )
+        self.admission.close(_SHUTTING_DOWN, 1.0)
         log.warning("draining: %d requests in flight, %.1f s grace", self._in_flight(), grace_s)
         if not await self._wait_idle(grace_s):
             cut = self.life.cut_streams("the gateway is shutting down; stream ended")
-            log.warning("draining: grace over, ending %d streams", cut)
+            waiting = self.proxy.cut_waiting(_SHUTTING_DOWN) if self.proxy is not None else 0
+            log.warning(
+                "draining: grace over, ending %d streams and %d requests waiting on a worker",
+                cut,
+                waiting,
+            )
             await self._wait_idle(5.0)
 
     async def _wait_idle(self, seconds: float) -> bool:
@@ -441,7 +450,7 @@ class Gateway:
             if self.draining:
                 raise APIError(
                     503,
-                    "This gateway replica is shutting down; retry (another replica will answer).",
+                    _SHUTTING_DOWN,
                     "service_unavailable",
                     code="shutting_down",
                     retry_after_s=1.0,
@@ -512,7 +521,13 @@ class Gateway:
             await self.settlement.refund(call, ticket)
             raise
         except APIError as e:
-            if (
+            if call is not None and call.outcome == "gateway_shutdown":
+                # A drain cut it off its worker before any byte reached the client
+                # (gateway.proxy.Proxy.cut_waiting): recorded as a request its worker had, like
+                # a cut stream, and settled as nothing generated (no usage, no events): the
+                # reservation is refunded, the concurrency lease freed, once (`finish`).
+                await self.life.finish(call)
+            elif (
                 call is not None
                 and call.upstream_sent
                 and (not call.stream or e.status == _CLIENT_CLOSED)

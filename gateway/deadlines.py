@@ -36,6 +36,16 @@ class Deadlines:
         """Waits in progress."""
         return len(self._live)
 
+    def expire_all(self) -> int:
+        """End every wait in progress now, as if its deadline had passed (a drain's grace is
+        over: `gateway.proxy.Proxy.cut_waiting`); returns how many there were."""
+        waits = list(self._live)
+        self._live.clear()
+        self._next = float("inf")
+        for wait in waits:
+            wait.expire()
+        return len(waits)
+
     def _add(self, wait: _Wait, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         at = self._live[wait] = loop.time() + seconds

@@ -64,7 +64,11 @@ class Proxy:
         self.metrics = metrics
         self.slots = slots
         self.life = life
-        self.deadlines = Deadlines()  # the worker's head and first event: no timer per wait
+        # The worker's head, a stream's first event, a whole response's body: no timer per wait.
+        # Also the registry of every request waiting on its worker, which a drain cuts.
+        self.deadlines = Deadlines()
+        # Set when a drain's grace ends (`cut_waiting`): the 503 message; no wait, no retry.
+        self.closing: str | None = None
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call, settings: Settings, policy: Policy) -> Response:
@@ -84,6 +88,8 @@ class Proxy:
             tried.add(worker.name)
             call.attempts += 1
             if call.attempts > 1:
+                if self.closing is not None:  # between two attempts when the drain cut
+                    raise self._shut_down(call, None)
                 self.metrics.child(
                     self.metrics.retries, last_error.code if last_error else "unknown"
                 ).inc()
@@ -139,6 +145,10 @@ class Proxy:
                 life.refused(worker, call)
                 life.failed(worker, f"connect: {e}")
             except (TimeoutError, UpstreamStreamError) as e:
+                if self.closing is not None:
+                    # `cut_waiting` ended the wait (or it ended past the grace anyway): the
+                    # upstream request is aborted already (`_send`, `_first_chunk`, `_whole`).
+                    raise self._shut_down(call, worker) from None
                 timeout = isinstance(e, TimeoutError)
                 if timeout and not call.stream and call.upstream_sent:
                     # The worker took the request and was generating: another attempt would
@@ -173,6 +183,34 @@ class Proxy:
         if last_error is not None:
             raise last_error
         raise no_capacity(f"no healthy worker is serving model `{call.model}`")
+
+    def cut_waiting(self, message: str) -> int:
+        """A drain's grace is over: end every request still waiting on its worker now; returns
+        how many were waiting.
+
+        A request with no first byte yet (a long prefill, a queue inside vLLM) or a whole
+        response still generating has no relay, so `Lifecycle.cut_streams` cannot reach it;
+        left alone it outlived the drain until uvicorn cancelled it into a plain-text 500.
+        Every such wait is in `deadlines` already (no registry of its own on the request path),
+        so each is expired now: its upstream request is aborted (the worker stops the work),
+        and `forward`, seeing ``closing`` set, answers the 503 `shutting_down` new and queued
+        requests get during a drain, instead of a timeout or a retry elsewhere. A request
+        between two attempts (reading a worker's 5xx body, bounded by ``idle_s``) tries no
+        other worker either."""
+        self.closing = message
+        return self.deadlines.expire_all()
+
+    def _shut_down(self, call: Call, worker: Worker | None) -> APIError:
+        """The drain's answer for a request it cut off its worker (`cut_waiting`). The call is
+        marked so the walk records it (a worker had it) and settles it as nothing generated:
+        the gateway's shutdown is not the tenant's doing, so the reservation goes back."""
+        if worker is not None:
+            call.worker = worker.name
+        call.status, call.outcome = 503, "gateway_shutdown"
+        assert self.closing is not None
+        return APIError(
+            503, self.closing, "service_unavailable", code="shutting_down", retry_after_s=1.0
+        )
 
     async def _send(self, call: Call, worker: Worker, timeout: float) -> UpstreamResponse:
         headers = {

@@ -1,0 +1,211 @@
+"""Drain: requests still waiting on their worker when the grace ends.
+
+A request dispatched to a worker that has not answered yet (a long prefill, a queue inside vLLM)
+has no relay, so the drain's cut of live streams passes it by. Left alone it waited through the
+drain's last wait and uvicorn's graceful shutdown, then uvicorn cancelled it and the client got a
+plain-text 500. When the grace ends it must end like everything else still in flight: an
+OpenAI-shaped 503 `shutting_down`, its upstream request aborted (the worker stops the work), its
+reservation refunded and its slots freed, once. Streaming and whole responses both.
+
+Nothing here bounds wall-clock time: conditions are polled under generous deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tests.faults.conftest import KEY_OPEN, assert_openai_error, run_stack
+from tests.faults.test_stream_endings import error_in_two_halves
+from tests.gateway.conftest import MODEL, run_gateway, settings_for
+from tests.support.raw_worker import raw_worker
+
+# Generous everywhere: a loaded CI host is slow, and no bound here is what the test measures.
+WITHIN_S = 60.0
+# Timeouts far past anything the tests wait for: only the drain may end these requests.
+LONG_TIMEOUTS = {"first_byte_s": 600, "idle_s": 600, "total_s": 1200}
+HEADERS = {"authorization": f"Bearer {KEY_OPEN}"}
+
+
+def _chat(max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+
+
+async def _until(cond: Callable[[], bool], what: str, timeout: float = WITHIN_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f}s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def _assert_shutting_down(r: httpx.Response) -> None:
+    """The answer new and queued requests get during a drain (gateway.app, gateway.admission)."""
+    assert r.status_code == 503, (r.status_code, r.headers.get("content-type"), r.text[:200])
+    err = assert_openai_error(r.status_code, r.headers.get("content-type", ""), r.content)
+    assert err["code"] == "shutting_down", err
+    assert r.headers["retry-after"] == "1"
+    assert r.headers.get("x-request-id")
+
+
+async def test_requests_queued_inside_the_worker_end_with_a_503_when_the_grace_ends() -> None:
+    """One stream relaying, and a stream and a whole response queued inside the worker's engine
+    behind it (max_num_seqs = 1): past the grace the stream gets its SSE error event, the two
+    others an OpenAI 503 `shutting_down`, and nothing is left held anywhere: the engine's queue
+    (their upstream requests were aborted), the workers' counts, leases and reservations."""
+    async with (
+        run_stack(1, sim={"max_num_seqs": 1}, timeouts=LONG_TIMEOUTS) as s,
+        httpx.AsyncClient(timeout=WITHIN_S * 2) as c,
+    ):
+        assert s.fleet is not None
+        engine = s.fleet.workers[0].engine
+        url = s.url + "/v1/chat/completions"
+        async with c.stream("POST", url, json=_chat(20_000, True), headers=HEADERS) as live:
+            assert live.status_code == 200
+            lines = live.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            waiting = [
+                asyncio.create_task(c.post(url, json=_chat(8, stream), headers=HEADERS))
+                for stream in (True, False)
+            ]
+            # Both are on the worker, in its engine's queue: no first byte, no relay.
+            await _until(lambda: engine.stats().num_waiting == 2, "two requests queued in vLLM")
+            assert s.gw.registry.workers["w0"].in_flight == 3
+            drain = asyncio.create_task(s.gw.drain(grace_s=0.2))
+            rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in rest[-2] and '"error"' in rest[-2]
+        for r in await asyncio.wait_for(asyncio.gather(*waiting), WITHIN_S):
+            _assert_shutting_down(r)
+        await asyncio.wait_for(drain, WITHIN_S)
+        await s.assert_quiescent(WITHIN_S)
+        m = s.metrics()
+        # Each recorded once, as a request its worker had (the usage record and the log line).
+        assert m['kvgate_requests_total{model="sim-llama",status="503",worker="w0"}'] == 2
+        assert m['kvgate_stream_errors_total{reason="gateway_shutdown"}'] == 1
+        assert s.engine_counts().get("length", 0) == 0  # none of them ran to its end
+
+
+def _silent_worker(upstream: list[str]) -> Starlette:
+    """A worker that takes a completion and never answers (a prefill that outlasts the drain):
+    ``upstream`` gets "aborted" when the gateway hangs up on it."""
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request: Request) -> Response:
+        await request.body()
+        upstream.append("received")
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                upstream.append("aborted")
+                break
+            await asyncio.sleep(0.01)
+        return Response(b"", 500)
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+
+
+@contextlib.asynccontextmanager
+async def _serve(app: Starlette) -> AsyncIterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await _until(lambda: server.started or task.done(), "the worker started")
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = server.force_exit = True
+        await asyncio.wait({task}, timeout=WITHIN_S)
+        sock.close()
+
+
+async def test_sigterm_past_the_grace_answers_requests_without_a_first_byte_in_the_envelope() -> (
+    None
+):
+    """The production path: SIGTERM, `drain_grace_s`, then uvicorn's graceful shutdown (10 s, as
+    gateway/server.py sets it). A stream and a whole response whose worker never answers get an
+    OpenAI 503 `shutting_down`, not uvicorn's plain-text 500 once its own grace runs out, and
+    the worker sees both requests aborted."""
+    upstream: list[str] = []
+    async with _serve(_silent_worker(upstream)) as worker:
+        s = settings_for([worker], server={"drain_grace_s": 0.2}, timeouts=LONG_TIMEOUTS)
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=WITHIN_S * 2) as c:
+            await g.wait_healthy(1)
+            assert g.server is not None
+            g.server.config.timeout_graceful_shutdown = 10  # production (gateway/server.py)
+            url = g.url + "/v1/chat/completions"
+            reqs = [
+                asyncio.create_task(c.post(url, json=_chat(8, stream))) for stream in (True, False)
+            ]
+            await _until(lambda: upstream.count("received") == 2, "both requests on the worker")
+            g.server.handle_exit(signal.SIGTERM, None)  # what SIGTERM does
+            for r in await asyncio.wait_for(asyncio.gather(*reqs), WITHIN_S):
+                _assert_shutting_down(r)
+            await _until(lambda: upstream.count("aborted") == 2, "the worker saw both aborted")
+            assert g.gw.registry.workers["w0"].in_flight == 0
+
+
+async def test_a_request_between_two_attempts_when_the_grace_ends_tries_no_other_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The drain cuts while a request reads its first worker's 5xx body (before a retry): it
+    answers the 503 `shutting_down` instead of starting over on the other worker, which then
+    never sees it. Both workers answer a 500 whose body comes in two halves, the second once
+    the drain has cut; whichever is picked first, the other gets no request."""
+    rest = asyncio.Event()
+    async with (
+        raw_worker(error_in_two_halves(rest)) as (url0, posts0),
+        raw_worker(error_in_two_halves(rest)) as (url1, posts1),
+    ):
+        s = settings_for([url0, url1], timeouts=LONG_TIMEOUTS, retries={"max_attempts": 3})
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=WITHIN_S * 2) as c:
+            await g.wait_healthy(2)
+            req = asyncio.create_task(
+                c.post(g.url + "/v1/chat/completions", json=_chat(8, stream=False))
+            )
+            await _until(lambda: len(posts0) + len(posts1) == 1, "the first attempt is sent")
+            # The grace's end, seen where the drain starts cutting (the streams first).
+            grace_over = asyncio.Event()
+            cut_streams = g.gw.life.cut_streams
+
+            def cut(message: str) -> int:
+                grace_over.set()
+                return cut_streams(message)
+
+            monkeypatch.setattr(g.gw.life, "cut_streams", cut)
+            drain = asyncio.create_task(g.gw.drain(grace_s=0.2))
+            await asyncio.wait_for(grace_over.wait(), WITHIN_S)
+            rest.set()  # the first 5xx body completes: the proxy would retry now
+            _assert_shutting_down(await asyncio.wait_for(req, WITHIN_S))
+            await asyncio.wait_for(drain, WITHIN_S)
+            assert len(posts0) + len(posts1) == 1, (len(posts0), len(posts1))
+            assert all(w.in_flight == 0 for w in g.gw.registry.workers.values())
