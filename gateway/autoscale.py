@@ -37,7 +37,12 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
     """The snapshot ``AutoscaleCollector`` needs, from the gateway's live objects.
 
     Models come from every worker (healthy or not, so a model whose workers are all down still
-    reports N = 0 and asks for capacity) and from every admission pool.
+    reports N = 0 and asks for capacity) and from every admission pool. ``fleet`` counts the
+    workers that reported the model in any health state, draining ones left out (the operator is
+    taking them away): before its first scale-in the desired count does not go below it, so a
+    gateway that restarts while one worker is down or still on its first probe does not ask the
+    autoscaler to remove one. A worker that has never answered has no models yet and is not
+    counted: it is known only once it answers, and then raises the count.
     """
     models: set[str] = set(admission.pools())
     for w in registry.workers.values():
@@ -53,7 +58,8 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
             )
             for w in registry.candidates(model)
         )
-        out[model] = ModelLoad(workers, sum(admission.depth_by_tier(model).values()))
+        fleet = sum(1 for w in registry.workers.values() if model in w.models and not w.draining)
+        out[model] = ModelLoad(workers, sum(admission.depth_by_tier(model).values()), fleet)
     return out
 
 

@@ -48,8 +48,17 @@ from before a scale-out cannot justify a second one.
   restarts the cooldown: the fleet is observed at its new size before the next one.
 * Between ``scale_in_below`` and 1 nothing changes (the hysteresis band); any evaluation there
   restarts the scale-in cooldown.
-* Always ``min_workers <= desired <= max_workers``. The first evaluation of a model starts from
-  ``N`` (clamped), so a gateway restart does not ask for a different fleet.
+* Always ``min_workers <= desired <= max_workers``.
+* A (re)start does not ask for a smaller fleet. The gateway keeps no memory of the last
+  ``desired`` across a restart, and its first evaluations can see only part of the fleet (workers
+  whose first probe is still out, one that is restarting or failing its probes). Until the
+  model's first scale-in step, ``desired`` is therefore never below the largest fleet seen so
+  far: ``N``, or ``ModelLoad.fleet`` (workers known to serve the model, in any health state, not
+  draining) when that is larger, clamped to the bounds. Raising that floor is no scale event, and
+  the decision and the cooldown go on as before. Only a scale-in step, after its calm cooldown,
+  ends it. From then on ``desired`` is the autoscaler's own count, as above: a worker coming back
+  to health does not raise it, or every step in would be undone while the step's worker is still
+  being removed.
 
 Wiring (for gateway/app.py)
     * One ``DesiredWorkers`` per gateway (its collector: gateway/autoscale.py).
@@ -160,6 +169,9 @@ class ModelLoad:
 
     workers: tuple[WorkerLoad, ...] = ()  # healthy workers serving the model
     queued: int = 0  # the gateway's admission queue for the model
+    # Workers known to serve the model in any health state (not draining): the fleet as deployed,
+    # which the desired count does not undercut before its first scale-in (module docstring).
+    fleet: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +221,8 @@ class _ModelState:
     leases: dict[int, InFlight] = field(default_factory=dict)
     tokens: int = 0
     desired: int | None = None
+    # No scale-in step yet: `desired` follows the largest fleet seen (module docstring).
+    settling: bool = True
     calm_since: float | None = None
     workers: int | None = None  # healthy workers at the last evaluation
     grew_at: float | None = None  # when that count last rose
@@ -331,8 +345,11 @@ class DesiredWorkers:
         r = max(ratios.values())
         demand = depth > 0 or st.tokens > 0 or r > 0
         prev = st.desired
-        if prev is None:
-            prev = min(max(n, s.min_workers), s.max_workers)
+        if prev is None or st.settling:
+            # Before the first scale-in: at least the fleet seen, so an evaluation that lands
+            # while probes are still out or a worker is down does not ask to shrink the fleet.
+            seen = max(n, load.fleet, prev or 0)
+            prev = min(max(seen, s.min_workers), s.max_workers)
         desired, decision = prev, "hold"
         if r > 1.0 or (n == 0 and demand):
             st.calm_since = None
@@ -362,6 +379,8 @@ class DesiredWorkers:
             st.scale_outs += 1
         elif desired < prev:
             st.scale_ins += 1
+        if decision == "scale_in":
+            st.settling = False  # the autoscaler's own count from here on
         st.desired = desired
         return Signals(
             model=model,

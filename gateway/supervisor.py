@@ -7,7 +7,9 @@ listener: its own probes, routing state, admission queue, upstream pool. They sh
 share, through Redis: quotas (the redis backend is required, or every process would enforce every
 limit in full) and per-worker load (`[cluster]`, turned on for them, each child a replica with an
 id of its own; each also counts as a replica in the quota store's fail-open share). Limits in
-[server] (`max_connections`, `max_concurrent_requests`) are per process.
+[server] (`max_connections`, `max_concurrent_requests`) are per process, and so are the
+[admission] queue bounds (`max_queued`, `max_queued_per_tenant`: each process queues on its own,
+N times the configured value in all).
 
 Why SO_REUSEPORT per child and not one pre-forked socket that every child accepts from, measured
 (2 shared cores, one simulated worker, the real children, aiohttp clients; connections per process
@@ -41,9 +43,16 @@ config or the environment is wrong, and restarting would only loop); a child tha
 restarted after a backoff (0.5 s doubling to 30 s, back to 0.5 s once a child has lived 60 s),
 each restart logged, while the others serve. A restarted child listens once its first probes
 found a healthy worker (`Gateway._first_probes`), not answering 503 beside siblings that serve.
-SIGTERM/SIGINT are forwarded (as SIGTERM) to every child: the first drains each of them
-(gateway/server.py `DrainingServer`), a second stops them now, a fourth kills them; the
-supervisor exits once all have exited (0 when every child it stopped exited cleanly).
+A child that has not listened `STARTUP_TIMEOUT_S` (60 s) plus that first-probe wait after its
+start is stuck (a hung connect) and is killed: restarted like a crashed one, or at the first start
+the start fails; otherwise its slot would stay empty without a word.
+SIGTERM/SIGINT are forwarded (as SIGTERM) to every child, one per signal received: the first
+drains each of them (gateway/server.py `DrainingServer`), a second stops them now, a fourth kills
+them; the supervisor exits once all have exited (0 when every child it stopped exited cleanly).
+Signals are counted from the wakeup pipe, one byte per delivery (the Python-level handler runs
+once for deliveries that land before the interpreter looks), and each is forwarded only once
+every child took the previous one: a standard signal sent while the same one is still pending
+merges into it, so two sent back to back could reach a child as one drain.
 SIGHUP is forwarded to every child that is listening (each reloads its config, as the single
 process does on SIGHUP), and to a child still starting once it listens. Children run in process
 groups of their own, so a terminal's Ctrl-C reaches the supervisor alone and each child sees one
@@ -88,6 +97,19 @@ BACKOFF_RESET_S = 60.0
 # is killed, then restarted. Generous: a reload that loads a tokenizer blocks a loop for seconds.
 WATCH_INTERVAL_S = 5.0
 HUNG_AFTER_S = 30.0
+# A child that has not listened this long after its start is stuck in start-up (a Redis, cluster
+# or KV-events connect, a tokenizer load): it is killed, then restarted with the backoff, or at the
+# first start the start fails. The deadline is this plus the part of start-up the child bounds
+# itself (a restarted child waits up to probes.timeout_s + 1 s for its first probes), so a slow
+# probe setting cannot make a healthy start look stuck. A module constant, not a setting: config.py
+# has no field for it, and a healthy start takes seconds.
+STARTUP_TIMEOUT_S = 60.0
+# Signals forwarded to a child at least this far apart (once the kernel delivered one, the
+# child's Python-level handler must run before the next, or it runs once for both), and the next
+# one no later than FORWARD_WAIT_MAX_S after the last even while that is still pending there (a
+# stopped child never takes it; sent anyway, it merges, which is all that could happen to it).
+FORWARD_SPACING_S = 0.1
+FORWARD_WAIT_MAX_S = 1.0
 
 
 def process_count(value: int | str) -> int:
@@ -147,6 +169,7 @@ class Slot:
     backoff_s: float = BACKOFF_INITIAL_S
     restart_at: float | None = None
     reload_pending: bool = False
+    stuck: bool = False  # killed for not listening within the start-up deadline
     probe: socket.socket | None = None  # the watchdog's read of its metrics socket, in progress
     probe_at: float = 0.0
     answered_at: float = 0.0
@@ -154,6 +177,22 @@ class Slot:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+
+def _signal_pending(pid: int, sig: int) -> bool:
+    """Whether `sig`, sent to `pid`, is still pending there (Linux /proc; False where it cannot be
+    read): one more of it sent now would merge into it (standard signals do not queue)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return False
+    bit = 1 << (sig - 1)
+    for line in text.splitlines():
+        if line.startswith(("ShdPnd:", "SigPnd:")):
+            with contextlib.suppress(IndexError, ValueError):
+                if int(line.split()[1], 16) & bit:
+                    return True
+    return False
 
 
 def _exit_text(code: int) -> str:
@@ -175,10 +214,15 @@ class Supervisor:
         *,
         watch_interval_s: float = WATCH_INTERVAL_S,
         hung_after_s: float = HUNG_AFTER_S,
+        startup_timeout_s: float | None = None,
     ) -> None:
         self.settings = settings
         self.watch_interval_s = watch_interval_s
         self.hung_after_s = hung_after_s
+        # None: STARTUP_TIMEOUT_S plus the first-probe wait a restarted child bounds itself.
+        if startup_timeout_s is None:
+            startup_timeout_s = STARTUP_TIMEOUT_S + settings.probes.timeout_s + 1.0
+        self.startup_timeout_s = startup_timeout_s
         self.child_argv = list(child_argv)
         self.n = processes
         self.host, self.port = settings.server.host, settings.server.port
@@ -188,7 +232,9 @@ class Supervisor:
         self.lifeline_r = self.lifeline_w = -1
         self.stopping = False
         self.stopped: list[Slot] = []
-        self.signals = 0
+        self.signals = 0  # SIGTERM/SIGINT received (counted from the wakeup pipe)
+        self.forwarded = 0  # of them, forwarded to the children
+        self.forwarded_at = 0.0
         self.reload = False
         self.restarts = 0
         self.all_ready = False
@@ -250,24 +296,22 @@ class Supervisor:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _on_signal(self, sig: int, frame: object) -> None:
-        if sig == signal.SIGHUP:
-            self.reload = True
-        else:
-            self.signals += 1
+        """Installed so that CPython writes each delivery's number into the wakeup pipe, where
+        `_wait` counts it; nothing is counted here: this runs once for several deliveries that
+        land before the interpreter checks for signals."""
 
     def _loop(self) -> int:
-        handled = 0
         while True:
-            if self.signals > handled:
-                handled = self.signals
-                self._shutdown(handled)
+            self._forward_signals()
             if self.reload:
                 self.reload = False
                 self._forward_reload()
-            self._wait(0.2)
+            # Shorter while a received signal still waits for the children to take the last one.
+            self._wait(FORWARD_SPACING_S if self.forwarded < self.signals else 0.2)
             changed = self._read_ready()
             if not self.stopping:
                 changed |= self._watch()
+                changed |= self._check_startup()
             changed |= self._reap()
             if not self.stopping:
                 if not self.all_ready and any(
@@ -292,8 +336,13 @@ class Supervisor:
         with contextlib.suppress(InterruptedError):
             readable, _, _ = select.select(fds, [], [], timeout)
             if self._wake_r in readable:
+                data = b""
                 with contextlib.suppress(BlockingIOError, OSError):
-                    os.read(self._wake_r, 512)
+                    data = os.read(self._wake_r, 512)
+                # One byte per delivery, its signal number (more bytes: the next turn reads them).
+                self.signals += data.count(signal.SIGTERM) + data.count(signal.SIGINT)
+                if signal.SIGHUP in data:
+                    self.reload = True
 
     # -- children --------------------------------------------------------------------------------
     def _start(self, slot: Slot) -> None:
@@ -320,7 +369,7 @@ class Supervisor:
         finally:
             os.close(ready_w)
         slot.ready_r = ready_r
-        slot.ready = slot.reaped = False
+        slot.ready = slot.reaped = slot.stuck = False
         slot.started_at = time.monotonic()
         slot.restart_at = None
 
@@ -418,6 +467,33 @@ class Supervisor:
                 slot.ready, changed = False, True  # not serving; restarted once reaped
         return changed
 
+    def _check_startup(self) -> bool:
+        """Kill a child that has not listened within `startup_timeout_s` of its start. The
+        watchdog (`_watch`) looks at serving children only, and a start-up that hangs would
+        otherwise leave its slot empty for good (N-1 processes serve, silently), or at the first
+        start block the start forever. Once reaped, a restart goes through the backoff like any
+        crash; at the first start `_loop` ends the start (`_abort_start`)."""
+        now = time.monotonic()
+        changed = False
+        for slot in self.slots:
+            if slot.ready or slot.stuck or not slot.alive or slot.proc is None:
+                continue
+            waited = now - slot.started_at
+            if waited < self.startup_timeout_s:
+                continue
+            first = not (slot.ever_ready or self.all_ready)
+            log.error(
+                "process %d (pid %d) has not listened %.0f s after its start: killing it (stuck "
+                "in start-up)%s",
+                slot.index,
+                slot.proc.pid,
+                waited,
+                "" if first else "; it is restarted like a crashed one",
+            )
+            slot.stuck = changed = True
+            self._kill(slot, signal.SIGKILL)
+        return changed
+
     def _open_probe(self, slot: Slot, now: float) -> None:
         slot.probe_at = now
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -460,7 +536,15 @@ class Supervisor:
     def _abort_start(self) -> int:
         for slot in self.slots:
             code = slot.proc.returncode if slot.proc is not None else None
-            if code is not None and not slot.ever_ready:
+            if code is not None and not slot.ever_ready and slot.stuck:
+                log.error(
+                    "process %d did not listen within %.0f s of its start: the gateway cannot "
+                    "start (stuck in start-up: a Redis, cluster or KV-events connect, a tokenizer "
+                    "load?); stopping the others",
+                    slot.index,
+                    self.startup_timeout_s,
+                )
+            elif code is not None and not slot.ever_ready:
                 log.error(
                     "process %d exited with %s before it served: the gateway cannot start (its "
                     "error is logged above); stopping the others",
@@ -484,6 +568,27 @@ class Supervisor:
         if slot.alive and slot.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 slot.proc.send_signal(sig)
+
+    def _forward_signals(self) -> None:
+        """Forward the next SIGTERM/SIGINT received, if any, once the children took the last
+        one (`_signal_pending`) and at least FORWARD_SPACING_S after it: two sent back to back
+        merge in the child, and a second signal would only prolong the drain."""
+        if self.forwarded >= self.signals:
+            return
+        now = time.monotonic()
+        if self.forwarded:
+            since = now - self.forwarded_at
+            if since < FORWARD_SPACING_S:
+                return
+            if since < FORWARD_WAIT_MAX_S and any(
+                _signal_pending(s.proc.pid, signal.SIGTERM)
+                for s in self.slots
+                if s.alive and s.proc is not None
+            ):
+                return
+        self.forwarded += 1
+        self.forwarded_at = now
+        self._shutdown(self.forwarded)
 
     def _shutdown(self, count: int) -> None:
         """Signal `count` (SIGTERM/SIGINT): forwarded as SIGTERM; the fourth kills."""
