@@ -488,6 +488,7 @@ class Gateway:
                 raw_len=len(raw),
                 model=model,
                 namespace=tenant.namespace,
+                session_scope=tenant.session_scope,
                 headers=hdrs,
                 session_header=settings.routing.session_header,
                 tenant_priority=tenant.priority,

@@ -49,11 +49,13 @@ def route_key_now(
     tenant_priority: float,
     request_id: str,
     precise: bool,
+    session_scope: str | None = None,
 ) -> RouteRequest:
     """The route key, computed in this thread: the one keying path, which the gateway (through
     `route_key`) and the offline simulator (bench/simulate.py) both take. ``keyer`` None: text
     mode; ``block_size`` the workers' (token mode); ``precise`` whether a KV-event index wants
-    the block chain."""
+    the block chain; ``session_scope`` the tenant's name (None: the session is scoped by
+    ``namespace``, `scoring.route_key.route_request`)."""
     salt = data.get("cache_salt")
     cache_salt = salt if isinstance(salt, str) else None
     kind = "chat" if is_chat else "completion"
@@ -81,6 +83,7 @@ def route_key_now(
         cache_salt=cache_salt,
         tenant_priority=tenant_priority,
         session_id=session_id,
+        session_scope=session_scope,
         request_id=request_id,
         options=options,
         hash_prefix=needs_chain and key is None,
@@ -106,9 +109,13 @@ async def route_key(
     tenant_priority: float,
     request_id: str,
     precise: bool,
+    session_scope: str | None = None,
 ) -> RouteRequest:
     """The request's route key; ``views`` are the model's candidates (token mode reads their
-    block size). A big body's tokenization runs in a thread (`route_key_now` there)."""
+    block size). A big body's tokenization runs in a thread (`route_key_now` there).
+    ``session_scope``: the tenant's name (`Tenant.session_scope`), which keeps its session ids
+    apart from every other tenant's, shared ones included; None scopes them by ``namespace``:
+    each isolated tenant apart, the shared tenants together."""
     needs_chain = getattr(policy, "needs_chain", False)
     keyer = keyers.get(model) if needs_chain else None
     bs = next((v.block_size for v in views if v.block_size), 16) if keyer is not None else 16
@@ -126,6 +133,7 @@ async def route_key(
         tenant_priority=tenant_priority,
         request_id=request_id,
         precise=precise,
+        session_scope=session_scope,
     )
     if keyer is not None and raw_len > token_mode.offload_bytes:
         return await asyncio.to_thread(now)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import APIError, bad_request, model_not_found
 from gateway.quota import ModelLimits, TenantLimits
+from scoring.chat_inputs import rendered_bytes, utf8_len
 
 ANONYMOUS = "anonymous"
+
+log = logging.getLogger("kvgate.tenancy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +30,31 @@ class Tenant:
     limits: TenantLimits
     cache_salt: str  # sent upstream when the tenant is isolated
     namespace: str  # seeds the prefix chain: "" = shared with every non-isolated tenant
+    # HMAC key this tenant's own `cache_salt` values are mapped under (`client_salt`).
+    client_salt_key: bytes = b""
+    # Scopes its session ids (`gateway.keying.route_key(session_scope=)`): the tenant's name, so
+    # no tenant, shared or isolated, reaches another's sessions; "" for the open gateway's one
+    # tenant, whose ids are kept as sent.
+    session_scope: str = ""
 
     @property
     def priority(self) -> float:
         return self.cfg.priority
+
+    def client_salt(self, salt: str) -> str:
+        """The `cache_salt` forwarded for this tenant's own `salt`: never the client's value raw.
+
+        Raw, a shared tenant could send any salt, including one the gateway derived for an
+        isolated tenant (computable by whoever learns the secret), and share that tenant's vLLM
+        prefix cache. Mapped under a key of this tenant's own (`_client_salt_key`), a client salt
+        can equal neither an isolated tenant's salt (made under the secret itself, from an input
+        no client chooses) nor another tenant's mapped salt (another key), whatever the client
+        knows: hitting one would take a 128-bit HMAC preimage. Equal salts of one tenant
+        still map equally on every replica, so the tenant keeps separating its own requests (and
+        reusing each salt's cache) as vLLM intends.
+        """
+        msg = salt.encode("utf-8", "surrogatepass")
+        return hmac.digest(self.client_salt_key, msg, "sha256")[:16].hex()
 
 
 def _limits(t: TenantSettings) -> TenantLimits:
@@ -49,7 +74,34 @@ def _limits(t: TenantSettings) -> TenantLimits:
 
 
 def _salt(secret: bytes, name: str) -> str:
+    """An isolated tenant's `cache_salt`: one HMAC input domain (`kvgate-cache-salt:`) that no
+    client input reaches (`Tenant.client_salt` uses its own)."""
     return hmac.new(secret, b"kvgate-cache-salt:" + name.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _client_salt_key(secret: bytes, name: str) -> bytes:
+    """The key a tenant's own salts are mapped under (`Tenant.client_salt`): per tenant, so two
+    tenants' equal salts differ, and from a domain of its own (`kvgate-client-salt-key:`)."""
+    return hmac.digest(secret, b"kvgate-client-salt-key:" + name.encode(), "sha256")
+
+
+def salt_secret(settings: Settings) -> bytes:
+    """`tenancy.cache_salt_secret`, or without one a secret derived from what the config holds
+    and clients should not: the admin key's hash and every tenant key's hash.
+
+    Derived, it is the same on every replica of one config (salts, hence each tenant's cached
+    prefixes, survive restarts and are shared across replicas), but it changes when keys do, and
+    a client holding every tenant key (the only keyed tenant beside a keyless one) learns it
+    unless an admin key is set. Since no client salt is forwarded raw (`Tenant.client_salt`),
+    knowing it no longer lets a client reach another tenant's cache through the gateway; the
+    explicit secret still belongs in production (`Tenants` warns without it).
+    """
+    explicit = settings.tenancy.cache_salt_secret
+    if explicit:
+        return explicit.encode()
+    keys = sorted(k for t in settings.tenants.values() for k in t.keys_sha256)
+    material = [b"kvgate-derived-salt-secret", settings.admin.key_sha256.encode()]
+    return hashlib.sha256(b"\x00".join([*material, *(k.encode() for k in keys)])).digest()
 
 
 class Tenants:
@@ -57,13 +109,16 @@ class Tenants:
 
     def __init__(self, settings: Settings) -> None:
         self.enabled = bool(settings.tenants)
-        secret = settings.tenancy.cache_salt_secret.encode()
-        if not secret:
-            # Without an explicit secret, derive one from every key hash: unknown to any client
-            # (each knows only its own key), stable until keys change.
-            secret = "".join(
-                sorted(k for t in settings.tenants.values() for k in t.keys_sha256)
-            ).encode()
+        secret = salt_secret(settings)
+        if not settings.tenancy.cache_salt_secret and any(
+            t.isolate_cache for t in settings.tenants.values()
+        ):
+            log.warning(
+                "tenancy.cache_salt_secret is not set: isolated tenants' cache salts are derived "
+                "from the configured key hashes, so they change when keys do (and a client "
+                "holding every key, with no admin key set, can compute them); set a long random "
+                "secret, the same on every replica"
+            )
         self.by_name: dict[str, Tenant] = {}
         self._by_key: dict[str, Tenant] = {}
         for name, cfg in settings.tenants.items():
@@ -73,6 +128,8 @@ class Tenants:
                 limits=_limits(cfg),
                 cache_salt=_salt(secret, name),
                 namespace=f"tenant:{name}" if cfg.isolate_cache else "",
+                client_salt_key=_client_salt_key(secret, name),
+                session_scope=name,
             )
             self.by_name[name] = tenant
             for k in cfg.keys_sha256:
@@ -113,46 +170,24 @@ class Tenants:
         )
 
 
-# Message fields that carry media, not text: an image's base64 is not its token count (vLLM
-# counts an image as its own number of tokens, which this estimate does not try to know).
-_MEDIA_KEYS = frozenset({"image_url", "input_audio", "audio_url", "video_url", "file", "image"})
-
-
-def _rendered_chars(obj: Any) -> int:
-    """Characters of every string in a message (keys' values, list items), media left out."""
-    if isinstance(obj, str):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_rendered_chars(v) for k, v in obj.items() if k not in _MEDIA_KEYS)
-    if isinstance(obj, list):
-        return sum(_rendered_chars(v) for v in obj)
-    return 0
-
-
 def estimate_prompt_tokens(path_is_chat: bool, data: dict[str, Any], chars_per_token: float) -> int:
-    """Cheap upper-ish estimate (no tokenizer): chars / chars_per_token, exact for token ids."""
+    """Cheap upper-ish estimate (no tokenizer), exact for token ids: UTF-8 bytes / chars_per_token,
+    as the route key (``scoring.prefix.text_key``) sizes a prompt; counting characters let 8,000
+    CJK characters (24 kB, ~8k+ tokens) past a 2,000-token `max_input_tokens`.
+
+    A chat counts every field its template receives (``scoring.chat_inputs.rendered_bytes``, from
+    the one list of rendered fields token mode's route key also builds on), media left out.
+    """
     if path_is_chat:
-        n = 0
-        for m in data.get("messages") or ():
-            if isinstance(m, dict):
-                c = m.get("content")
-                # Plain text content (the common case) without the walk; anything else counts
-                # every string the template may render: text, refusal and thinking parts, tool
-                # calls' arguments, names. Counting only `text` parts let ~10k tokens of
-                # `refusal` parts or tool-call arguments past `max_input_tokens` as ~8.
-                n += len(c) if isinstance(c, str) and len(m) <= 2 else _rendered_chars(m)
-            n += 8  # role markers of the chat template
-        if data.get("tools"):
-            n += len(str(data["tools"]))
-        return int(n / chars_per_token) + 1
+        return int(rendered_bytes(data) / chars_per_token) + 1
     prompt = data.get("prompt")
     if isinstance(prompt, str):
-        return int(len(prompt) / chars_per_token) + 1
+        return int(utf8_len(prompt) / chars_per_token) + 1
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], int):
             return len(prompt)
         if isinstance(prompt[0], str):
-            return sum(int(len(p) / chars_per_token) + 1 for p in prompt)
+            return sum(int(utf8_len(p) / chars_per_token) + 1 for p in prompt)
         return sum(len(p) for p in prompt)
     return 1
 
@@ -257,5 +292,10 @@ def apply_caps(
         changed = True
     if tenant.cfg.isolate_cache:
         data["cache_salt"] = tenant.cache_salt
+        changed = True
+    elif type(salt := data.get("cache_salt")) is str and salt:
+        # Never forwarded raw (Tenant.client_salt); parse_request already refused a salt vLLM
+        # would refuse, which mapping would otherwise make valid.
+        data["cache_salt"] = tenant.client_salt(salt)
         changed = True
     return int(out) * choices * prompt_count(is_chat, data), changed

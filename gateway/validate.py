@@ -336,6 +336,20 @@ def _top_logprobs(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
         )
 
 
+def _cache_salt(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    # vLLM's own rule (validate_cache_salt), checked here because with tenants the gateway maps
+    # every salt to one of its own (gateway.tenancy.Tenant.client_salt), which would turn a salt
+    # vLLM refuses into one it accepts.
+    if not isinstance(v, str) or not v:
+        raise bad_request("`cache_salt` must be a non-empty string if provided", "cache_salt")
+    if len(v) > 128 or any(c in v for c in "@/\\\x00"):
+        raise bad_request(
+            "`cache_salt` must be at most 128 characters and must not contain '@', '/', a "
+            "backslash or NUL",
+            "cache_salt",
+        )
+
+
 _POSITIVE_INTS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of"})
 # The rarer scalar fields OpenAI refuses with a 400 when malformed: field -> check(key, value,
 # body, chat). The frequent ones (output limits, sampling bounds) are checked inline.
@@ -345,6 +359,7 @@ _CHECKS: dict[str, Callable[[str, Any, dict[str, Any], bool], None]] = {
     "use_beam_search": _bool,
     "logprobs": _logprobs,
     "top_logprobs": _top_logprobs,
+    "cache_salt": _cache_salt,
 }
 
 

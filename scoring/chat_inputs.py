@@ -12,12 +12,20 @@ re-exports it and ``ContentFormat`` as part of ``TokenKeyer``'s interface.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import xxhash
 
-__all__ = ["ContentFormat", "TokenKeyError", "chat_inputs"]
+__all__ = [
+    "RENDERED_FIELDS",
+    "REQUEST_TEMPLATE_VARS",
+    "ContentFormat",
+    "TokenKeyError",
+    "chat_inputs",
+    "rendered_bytes",
+    "utf8_len",
+]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -57,6 +65,31 @@ _NOT_TEMPLATE_VARS = frozenset(
         "tools",
         "messages",
     }
+)
+
+# Body fields vLLM hands the template as variables of their own name, over any chat_template_kwargs
+# entry of that name (vLLM's merge_kwargs: the request's value wins unless None or "auto"), each
+# with the value it takes when the body leaves it out.
+REQUEST_TEMPLATE_VARS: Mapping[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "documents": None,
+    "reasoning_effort": None,
+}
+# Every body field whose content the template receives, hence may render into the prompt. The one
+# list: ``chat_inputs`` builds the template's inputs from these fields and no other, and the
+# gateway's prompt estimate (``rendered_bytes``, for `max_input_tokens` and the reservation) counts
+# these fields and no other, so a field the template sees can never be free against the caps (a
+# RAG template renders `documents`, Llama 3.1 `chat_template_kwargs.custom_tools`). Not here:
+# sampling fields, `cache_salt`, and `response_format` and `tool_choice`, which vLLM's template
+# path (the one modelled here) does not hand the template; its Kimi-K3 renderer alone renders them
+# (vllm/renderers/kimi_k3.py), so on such a fleet a `response_format` schema is prompt that
+# neither the estimate nor token mode sees.
+RENDERED_FIELDS: tuple[str, ...] = (
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    *REQUEST_TEMPLATE_VARS,
 )
 
 
@@ -259,14 +292,146 @@ def chat_inputs(
         if isinstance(k, str) and k not in _NOT_TEMPLATE_VARS
     }
     effort = body.get("reasoning_effort")
-    extra: dict[str, Any] = {
-        "add_generation_prompt": body.get("add_generation_prompt", True),
-        "continue_final_message": body.get("continue_final_message", False),
-        "documents": body.get("documents"),
-        "reasoning_effort": effort,
-    }
+    extra: dict[str, Any] = {k: body.get(k, dflt) for k, dflt in REQUEST_TEMPLATE_VARS.items()}
     if effort is not None and "enable_thinking" not in kw:
         extra["enable_thinking"] = effort != "none"
     # vLLM's merge_kwargs: the request's own fields win unless unset (None or "auto").
     kw.update({k: v for k, v in extra.items() if v is not None and v != "auto"})
     return msgs, tools, kw
+
+
+# -- how much of a request the template renders, cheaply -------------------------------------------
+def utf8_len(s: str) -> int:
+    """UTF-8 length, as the route key (``scoring.prefix.text_key``) sizes text: no copy for ASCII
+    (``isascii`` is O(1) in CPython); otherwise one encode, ~1.4 ns a character, the only exact
+    way CPython has. ``surrogatepass`` as there: JSON may carry lone surrogates."""
+    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+
+
+def _scalar_bytes(obj: Any) -> int:
+    t = type(obj)
+    if t is int or t is float:
+        return len(repr(obj))
+    if t is str:  # a dict key
+        return utf8_len(obj)
+    return 4 if t is bool or obj is None else len(str(obj))  # true, false, null
+
+
+def _json_bytes(obj: Any) -> int:
+    """About the UTF-8 size of ``obj`` as a template writes it (``tojson``, or ``key: value``):
+    strings, keys and numbers exactly, quotes and separators approximated (2 per string, 4 per
+    key, 1 per item). Templates serialise tool schemas and documents whole, so their keys are
+    prompt tokens too. Parsed JSON holds only these exact types, so ``type() is`` stands in for
+    the ABC checks, and string leaves, most of a schema, are sized inline rather than by a call.
+    """
+    t = type(obj)
+    if t is str:
+        return (len(obj) if obj.isascii() else utf8_len(obj)) + 2
+    if t is dict:
+        n = 2
+        for k, v in obj.items():
+            n += (len(k) if type(k) is str and k.isascii() else _scalar_bytes(k)) + 4
+            tv = type(v)
+            if tv is str:
+                n += (len(v) if v.isascii() else utf8_len(v)) + 2
+            elif tv is dict or tv is list:
+                n += _json_bytes(v)
+            else:
+                n += _scalar_bytes(v)
+        return n
+    if t is list:
+        n = 2
+        for v in obj:
+            tv = type(v)
+            if tv is str:
+                n += (len(v) if v.isascii() else utf8_len(v)) + 3
+            elif tv is dict or tv is list:
+                n += _json_bytes(v) + 1
+            else:
+                n += _scalar_bytes(v) + 1
+        return n
+    return _scalar_bytes(obj)
+
+
+def _content_bytes(content: Any) -> int:
+    """A message's ``content`` as ``_parts`` renders it: text parts' text, media parts nothing (an
+    image's base64 is not its token count, which vLLM adds apart and this estimate does not know).
+    Only content *parts* are media: a ``file`` key elsewhere (tool-call arguments, documents) is
+    text the template renders."""
+    if type(content) is str:
+        return utf8_len(content)
+    if content is None:
+        return 0
+    if type(content) is dict:
+        content = [content]
+    elif type(content) is not list:
+        return _json_bytes(content)
+    n = 0
+    for part in content:
+        if type(part) is str:
+            n += utf8_len(part)
+        elif type(part) is dict:
+            kind = part.get("type", "text")
+            key = _TEXT_PART_KEYS.get(kind) if type(kind) is str else None
+            if key is not None:
+                text = part.get(key)
+                if text is not None:
+                    n += utf8_len(text) if type(text) is str else _json_bytes(text)
+        else:
+            n += _json_bytes(part)
+    return n
+
+
+def _messages_bytes(msgs: Any) -> int:
+    if type(msgs) is not list:
+        return _json_bytes(msgs)
+    n = 8 * len(msgs)  # role markers of the chat template
+    for m in msgs:
+        if type(m) is not dict:
+            n += _json_bytes(m)
+            continue
+        c = m.get("content")
+        if type(c) is str and len(m) <= 2:  # a role and text: the common message, one length
+            n += len(c) if c.isascii() else utf8_len(c)
+            continue
+        for k, x in m.items():
+            n += _content_bytes(x) if k == "content" else _json_bytes(x)
+    return n
+
+
+def _template_kwargs_bytes(kw: Any) -> int:
+    if type(kw) is not dict:
+        return 0  # chat_inputs hands the template nothing from it
+    # As chat_inputs: apply_chat_template's own parameters never reach the template.
+    return sum(_json_bytes(x) for k, x in kw.items() if k not in _NOT_TEMPLATE_VARS)
+
+
+# How each rendered field is sized: every one of RENDERED_FIELDS, and only those; the JSON it
+# holds unless it has its own rule.
+_FIELD_BYTES: dict[str, Callable[[Any], int]] = {
+    **dict.fromkeys(RENDERED_FIELDS, _json_bytes),
+    "messages": _messages_bytes,
+    "chat_template_kwargs": _template_kwargs_bytes,
+}
+
+
+def rendered_bytes(body: Mapping[str, Any]) -> int:
+    """About the UTF-8 bytes of everything a chat request's template receives (``RENDERED_FIELDS``):
+    message text and fields, tools, documents, template kwargs; media parts and the template's own
+    text (but 8 bytes of role markers a message) left out. One walk of the parsed body, no
+    serialisation: the gateway runs it on every chat request for its input cap and reservation,
+    so it goes over the body's own keys (a handful) rather than looking up each rendered field.
+
+    A plain message (a role and string content) costs one length; anything else counts every
+    string the template may render: text, refusal and thinking parts, tool calls' arguments (a
+    string or an object), names. Counting only `content` let ~10k tokens of `refusal` parts,
+    tool-call arguments or `documents` past `max_input_tokens` as a handful.
+    """
+    n = 0
+    sizes = _FIELD_BYTES
+    for k, v in body.items():
+        size = sizes.get(k)
+        # None: unset (vLLM's default); a bool is a switch (add_generation_prompt): no text.
+        if size is not None and v is not None and v is not True and v is not False:
+            n += size(v)
+    return n

@@ -17,7 +17,7 @@ import xxhash
 from scoring.prefix import PathKind, text_key
 from scoring.views import RouteRequest, RoutingOptions
 
-__all__ = ["route_request", "session_id_from"]
+__all__ = ["route_request", "scoped_session_id", "session_id_from"]
 
 _DEFAULT_OPTIONS = RoutingOptions()
 _MAX_SESSION_ID = 128
@@ -43,6 +43,24 @@ def session_id_from(
     return sid
 
 
+def scoped_session_id(scope: str, session_id: str) -> str:
+    """``session_id`` within ``scope`` (a tenant), unambiguously: no (scope, id) pair, whatever
+    characters either holds, spells another pair's key.
+
+    A scoped key is ``f"{len(scope)}:{scope}\\x00{id}"``: the length prefix ends the scope
+    exactly, so one scope's ids cannot reach into another's. Only an id in the empty scope (no
+    tenant, or a shared tenant when no name is passed) with no NUL stays as it is (what the
+    simulator and an open gateway key by); one with a NUL is prefixed ``"0:\\x00"`` like any
+    scoped key. Raw keys have no NUL and scoped ones have one, so neither can equal the other.
+    Scoping only isolated tenants as ``f"{namespace}\\x00{id}"`` let a shared tenant send
+    ``user = "tenant:a\\u0000alice"`` and land on isolated tenant a's session "alice", following
+    or re-pinning a's pin and learning its worker from ``x-kvgate-worker``.
+    """
+    if not scope and "\x00" not in session_id:
+        return session_id
+    return f"{len(scope)}:{scope}\x00{session_id}"
+
+
 def route_request(
     path_kind: PathKind,
     body: Mapping[str, Any],
@@ -52,6 +70,7 @@ def route_request(
     cache_salt: str | None = None,
     tenant_priority: float = 0.5,
     session_id: str | None = None,
+    session_scope: str | None = None,
     request_id: str = "",
     options: RoutingOptions | None = None,
     hash_prefix: bool = True,
@@ -59,13 +78,16 @@ def route_request(
 ) -> RouteRequest:
     """A request body -> its RouteRequest: rendered, hashed (if ``hash_prefix``) and sized once.
 
-    ``namespace`` is the tenant's cache namespace (empty for shared caches) and also scopes the
-    session id, so two tenants' ``user="alice"`` are different sessions.
+    ``namespace`` is the tenant's cache namespace (empty for shared caches). The session id is
+    always scoped (``scoped_session_id``) by ``session_scope``, the tenant's name, so two
+    tenants' ``user="alice"`` are different sessions, shared tenants' too; without one, by
+    ``namespace``: isolated tenants apart from each other and from the shared ones.
     """
     o = options or _DEFAULT_OPTIONS
     model = model if model is not None else str(body.get("model") or "")
-    if session_id is not None and namespace:
-        session_id = f"{namespace}\x00{session_id}"
+    if session_id is not None:
+        scope = namespace if session_scope is None else session_scope
+        session_id = scoped_session_id(scope, session_id)
     if not hash_prefix:
         return RouteRequest(
             model=model,

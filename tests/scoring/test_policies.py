@@ -115,7 +115,7 @@ def test_route_request_puts_every_value_in_its_named_field() -> None:
         chain=tuple(k.chain),
         block_tokens=k.block_tokens,
         prompt_tokens=round(k.prompt_tokens),
-        session_id="t\x00s",
+        session_id="1:t\x00s",  # length-prefixed scope (scoped_session_id)
         dense_blocks=k.dense_blocks,
         tail_ends=k.tail_ends,
         block_chain=(),

@@ -280,7 +280,7 @@ def test_with_key_puts_the_token_chain_on_a_route(keyer: TokenKeyer) -> None:
     r = with_key(route, k)
     assert r.chain == tuple(k.chain) and r.block_tokens == 32.0
     assert r.prompt_tokens == int(k.prompt_tokens) and r.dense_blocks == 64
-    assert r.session_id == route.session_id == "t\x00u1"
+    assert r.session_id == route.session_id == "1:t\x00u1"
     assert r.matched_tokens(3) == 96.0
 
 

@@ -1,0 +1,149 @@
+"""The prompt estimate (`max_input_tokens`, the reservation, an abandoned stream's settlement)
+counts everything the chat template receives, in UTF-8 bytes as the route key does.
+
+Security review findings 1 and 4: `documents` and `chat_template_kwargs` (rendered by RAG and
+Llama 3.1 templates) were not counted, so ~54k tokens passed a 2,000-token cap reserved as 3; and
+characters were counted where the route key counts bytes, so 8,000 CJK characters (24 kB) passed
+it as 2,000 tokens. The estimate now walks `scoring.chat_inputs.RENDERED_FIELDS`, the same list
+`chat_inputs` builds the template's inputs from: the drift test below checks, field by field, that
+what reaches the template is what the estimate counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.config import TenantSettings
+from gateway.errors import APIError
+from gateway.quota import TenantLimits
+from gateway.tenancy import Tenant, apply_caps, estimate_prompt_tokens
+from gateway.validate import parse_request
+from scoring.chat_inputs import chat_inputs
+from scoring.prefix import text_key
+
+CHAT = "/v1/chat/completions"
+MODEL = "m"
+BIG = "lorem ipsum dolor sit amet " * 8000  # 216k characters: ~54k tokens at 4 bytes a token
+BIG_TOKENS = len(BIG) // 4
+HI = [{"role": "user", "content": "hi"}]
+
+
+def tenant(**cfg: Any) -> Tenant:
+    return Tenant("t", TenantSettings(**cfg), TenantLimits(), "salt", "")
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    """A body the gateway accepts (parsed and checked as the walk does), `extra` beside `hi`."""
+    raw = orjson.dumps({"model": MODEL, "messages": HI, "max_tokens": 8, **extra})
+    return parse_request(CHAT, raw).data
+
+
+# Top-level fields carrying BIG, in the shape a client sends them. Whether the template receives
+# BIG is decided by chat_inputs (the repo's model of vLLM's normalisation), not by this table.
+FIELDS: dict[str, dict[str, Any]] = {
+    "documents": {"documents": [{"title": "t", "text": BIG}]},
+    "documents_file_key": {"documents": [{"file": BIG}]},  # text, not a media part
+    "kwargs_custom_tools": {"chat_template_kwargs": {"custom_tools": [{"description": BIG}]}},
+    "kwargs_documents": {"chat_template_kwargs": {"documents": [{"text": BIG}]}},
+    "kwargs_date_string": {"chat_template_kwargs": {"date_string": BIG}},
+    "tools": {
+        "tools": [
+            {"type": "function", "function": {"name": "f", "description": BIG, "parameters": {}}}
+        ]
+    },
+    "reasoning_effort": {"reasoning_effort": BIG},
+    # Received by nothing: apply_chat_template's own parameters, decoding fields, extensions.
+    "kwargs_tools_param": {"chat_template_kwargs": {"tools": [{"description": BIG}]}},
+    "kwargs_messages_param": {"chat_template_kwargs": {"messages": [{"content": BIG}]}},
+    "response_format": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"description": BIG}},
+        }
+    },
+    "metadata": {"metadata": {"note": BIG}},
+    "vllm_xargs": {"vllm_xargs": {"note": BIG}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIELDS))
+def test_the_estimate_counts_exactly_what_the_template_receives(case: str) -> None:
+    body = chat_body(**FIELDS[case])
+    msgs, tools, kw = chat_inputs(body)
+    received = BIG in repr((msgs, tools, kw))
+    est = estimate_prompt_tokens(True, body, 4.0)
+    if received:
+        assert est >= BIG_TOKENS, f"{case}: the template gets ~{BIG_TOKENS} tokens, counted {est}"
+    else:
+        assert est < 50, f"{case}: never rendered, yet counted as {est} tokens"
+
+
+@pytest.mark.parametrize(
+    "case", ["documents", "documents_file_key", "kwargs_custom_tools", "kwargs_documents", "tools"]
+)
+def test_max_input_tokens_refuses_a_prompt_hidden_in_a_rendered_field(case: str) -> None:
+    body = chat_body(**FIELDS[case])
+    est = estimate_prompt_tokens(True, body, 4.0)
+    with pytest.raises(APIError) as e:
+        apply_caps(tenant(max_input_tokens=2000), MODEL, body, est, is_chat=True)
+    assert e.value.status == 400
+
+
+def test_tool_call_arguments_given_as_an_object_count_whatever_their_keys() -> None:
+    # A `file` or `image` key outside a content part is text the template renders.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"file": BIG}}}
+    msgs = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert estimate_prompt_tokens(True, {"messages": msgs}, 4.0) >= BIG_TOKENS
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 200_000}},
+        {"type": "input_audio", "input_audio": {"data": "A" * 200_000, "format": "wav"}},
+        {"type": "file", "file": {"file_data": "A" * 200_000, "filename": "x.pdf"}},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 200_000}},
+    ],
+)
+def test_media_parts_stay_uncounted(part: dict[str, Any]) -> None:
+    msg = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}
+    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0) < 20
+
+
+# -- UTF-8 bytes, as the route key -----------------------------------------------------------------
+def test_a_cjk_chat_is_estimated_in_bytes_like_the_route_key() -> None:
+    text = "漢字仮名交じり文" * 1000  # 8,000 characters, 24,000 UTF-8 bytes
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    est = estimate_prompt_tokens(True, body, 4.0)
+    route = text_key("chat", body, model=MODEL, chars_per_token=4.0).prompt_tokens
+    assert est >= 0.95 * route, f"input cap sees {est} tokens, the route key {route:.0f}"
+    with pytest.raises(APIError):
+        apply_caps(tenant(max_input_tokens=2000), MODEL, body, est, is_chat=True)
+    parts = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": text}]}],
+    }
+    assert estimate_prompt_tokens(True, parts, 4.0) >= 0.95 * route
+
+
+@pytest.mark.parametrize("prompt", ["😀" * 8000, ["😀" * 4000, "漢" * 4000]])
+def test_a_non_ascii_completion_is_estimated_in_bytes_like_the_route_key(prompt: Any) -> None:
+    est = estimate_prompt_tokens(False, {"model": MODEL, "prompt": prompt}, 4.0)
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    route = sum(
+        text_key("completion", {"prompt": p}, model=MODEL, chars_per_token=4.0).prompt_tokens
+        for p in prompts
+    )
+    assert est >= 0.95 * route, f"input cap sees {est} tokens, the route key {route:.0f}"
+
+
+def test_an_ascii_prompt_is_estimated_as_before() -> None:
+    # ASCII: bytes are characters, so nothing changes for the common case.
+    assert (
+        estimate_prompt_tokens(True, {"messages": [{"role": "user", "content": "a" * 400}]}, 4)
+        == 103
+    )
+    assert estimate_prompt_tokens(False, {"prompt": "a" * 400}, 4.0) == 101
