@@ -196,12 +196,12 @@ def scripted_fragments() -> list[bytes]:
     return out
 
 
-def scripted_app(received: list[bytes], burst: bool = False) -> Any:
-    """The scripted worker's app: ``scripted_fragments`` 1 ms apart, or with ``burst`` the first
-    event alone and then the others in one go (one HTTP chunk each, in the same socket read)."""
+def stub_app(chat: Any) -> Any:
+    """A vLLM stand-in: /health, /v1/models (serving MODEL), and ``chat`` (a Starlette endpoint)
+    at /v1/chat/completions."""
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     async def health(request: Request) -> Response:
@@ -209,6 +209,44 @@ def scripted_app(received: list[bytes], burst: bool = False) -> Any:
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: Any, force_exit: bool = False) -> AsyncIterator[str]:
+    """``app`` on a free 127.0.0.1 port until the block ends; yields its URL. ``force_exit``:
+    stop without waiting for requests still open (a worker that never answers)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes a flag)
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        server.force_exit = force_exit
+        # Bounded, so a shutdown that hangs names itself instead of running into the suite's
+        # timeout (uvicorn's grace here is 1 s, then Gateway.stop, each of whose steps is bounded).
+        _done, stuck = await asyncio.wait({task}, timeout=30)
+        sock.close()
+        assert not stuck, "the server did not stop within 30 s of should_exit"
+        task.result()
+
+
+def scripted_app(received: list[bytes], burst: bool = False) -> Any:
+    """The scripted worker's app: ``scripted_fragments`` 1 ms apart, or with ``burst`` the first
+    event alone and then the others in one go (one HTTP chunk each, in the same socket read)."""
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
 
     async def chat(request: Request) -> Response:
         received.append(await request.body())
@@ -226,35 +264,11 @@ def scripted_app(received: list[bytes], burst: bool = False) -> Any:
 
         return StreamingResponse(gen(), media_type="text/event-stream; charset=utf-8")
 
-    return Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-        ]
-    )
+    return stub_app(chat)
 
 
 @contextlib.asynccontextmanager
 async def run_scripted_worker(burst: bool = False) -> AsyncIterator[tuple[str, list[bytes]]]:
     received: list[bytes] = []
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            scripted_app(received, burst), log_config=None, access_log=False, lifespan="off"
-        )
-    )
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110 (uvicorn exposes a flag, not an event)
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
-    finally:
-        server.should_exit = True
-        # Bounded, so a shutdown that hangs names itself instead of running into the suite's
-        # timeout (uvicorn's grace here is 1 s, then Gateway.stop, each of whose steps is bounded).
-        _done, stuck = await asyncio.wait({task}, timeout=30)
-        sock.close()
-        assert not stuck, "the gateway did not stop within 30 s of should_exit"
-        task.result()
+    async with serve_app(scripted_app(received, burst)) as url:
+        yield url, received

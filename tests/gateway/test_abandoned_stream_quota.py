@@ -12,21 +12,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import orjson
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import Response, StreamingResponse
 
 from gateway.config import Settings
-from tests.gateway.conftest import MODEL, SCRIPTED_EVENTS, run_gateway, settings_for, until
+from tests.gateway.conftest import (
+    MODEL,
+    SCRIPTED_EVENTS,
+    run_gateway,
+    serve_app,
+    settings_for,
+    stub_app,
+    until,
+)
 
 KEY = "kvg-abandon-rpm"
 
@@ -34,12 +38,6 @@ KEY = "kvg-abandon-rpm"
 @contextlib.asynccontextmanager
 async def slow_prefill_worker() -> AsyncIterator[tuple[str, list[int]]]:
     received: list[int] = []
-
-    async def health(request: Request) -> Response:
-        return Response(b"")
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def chat(request: Request) -> Response:
         await request.body()
@@ -52,25 +50,8 @@ async def slow_prefill_worker() -> AsyncIterator[tuple[str, list[int]]]:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-        ]
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
-    finally:
-        server.should_exit = True
-        await asyncio.wait({task}, timeout=10)
-        sock.close()
+    async with serve_app(stub_app(chat)) as url:
+        yield url, received
 
 
 async def settled(g: Any, n: int) -> None:

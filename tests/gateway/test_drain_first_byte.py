@@ -13,24 +13,19 @@ Nothing here bounds wall-clock time: conditions are polled under generous deadli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
 from tests.faults.conftest import KEY_OPEN, assert_openai_error, run_stack
 from tests.faults.test_stream_endings import error_in_two_halves
-from tests.gateway.conftest import MODEL, run_gateway, settings_for
+from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app
 from tests.support.raw_worker import raw_worker
 
 # Generous everywhere: a loaded CI host is slow, and no bound here is what the test measures.
@@ -103,15 +98,9 @@ async def test_requests_queued_inside_the_worker_end_with_a_503_when_the_grace_e
         assert s.engine_counts().get("length", 0) == 0  # none of them ran to its end
 
 
-def _silent_worker(upstream: list[str]) -> Starlette:
+def _silent_worker(upstream: list[str]) -> Any:
     """A worker that takes a completion and never answers (a prefill that outlasts the drain):
     ``upstream`` gets "aborted" when the gateway hangs up on it."""
-
-    async def health(request: Request) -> Response:
-        return Response(b"")
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def chat(request: Request) -> Response:
         await request.body()
@@ -124,28 +113,7 @@ def _silent_worker(upstream: list[str]) -> Starlette:
             await asyncio.sleep(0.01)
         return Response(b"", 500)
 
-    return Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-        ]
-    )
-
-
-@contextlib.asynccontextmanager
-async def _serve(app: Starlette) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        await _until(lambda: server.started or task.done(), "the worker started")
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = server.force_exit = True
-        await asyncio.wait({task}, timeout=WITHIN_S)
-        sock.close()
+    return stub_app(chat)
 
 
 async def test_sigterm_past_the_grace_answers_requests_without_a_first_byte_in_the_envelope() -> (
@@ -156,7 +124,7 @@ async def test_sigterm_past_the_grace_answers_requests_without_a_first_byte_in_t
     OpenAI 503 `shutting_down`, not uvicorn's plain-text 500 once its own grace runs out, and
     the worker sees both requests aborted."""
     upstream: list[str] = []
-    async with _serve(_silent_worker(upstream)) as worker:
+    async with serve_app(_silent_worker(upstream), force_exit=True) as worker:
         s = settings_for([worker], server={"drain_grace_s": 0.2}, timeouts=LONG_TIMEOUTS)
         async with run_gateway(s) as g, httpx.AsyncClient(timeout=WITHIN_S * 2) as c:
             await g.wait_healthy(1)
