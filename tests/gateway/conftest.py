@@ -42,25 +42,34 @@ class SimProcess:
 
 
 def start_sims(n: int, *args: str, profile: str = "fast") -> SimProcess:
-    port = free_ports(n)
-    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--workers", str(n)]
-    cmd += ["--profile", profile, "--model", MODEL, *args]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
-    deadline = time.monotonic() + 30
-    pending = set(urls)
-    while pending:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvgate sim exited with {proc.returncode}")
-        for u in list(pending):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(u + "/health", timeout=0.5).status_code == 200:
-                    pending.discard(u)
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"simulated workers not healthy: {pending}")
-        time.sleep(0.05)
-    return SimProcess(proc, urls)
+    """``n`` simulated workers in one `kvgate sim` process, healthy. The ports are free when
+    chosen but another process may take one before the sim binds it (they come from the
+    ephemeral range, which every outgoing connection draws from too): a sim that exits before it
+    serves is started again on other ports, up to 5 times."""
+    for attempt in range(5):
+        port = free_ports(n)
+        cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--workers", str(n)]
+        cmd += ["--profile", profile, "--model", MODEL, *args]
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
+        deadline = time.monotonic() + 30
+        pending = set(urls)
+        while pending:
+            if proc.poll() is not None:
+                break
+            for u in list(pending):
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(u + "/health", timeout=0.5).status_code == 200:
+                        pending.discard(u)
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"simulated workers not healthy: {pending}")
+            time.sleep(0.05)
+        if not pending:
+            return SimProcess(proc, urls)
+        if attempt == 4:
+            raise RuntimeError(f"kvgate sim exited with {proc.returncode}, 5 times")
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
