@@ -457,22 +457,32 @@ time.sleep(0.1)
 sys.exit(7)
 """
 
-# A child that says it is serving and then answers on its metrics socket (as a real one does),
-# or never does (`hang`: alive, silent, like a process whose event loop is stuck).
-QUIET_CHILD = """
-import asyncio, json, os, sys
+# Fake children's start: `serve(metrics=True)` answers on the metrics socket the supervisor's
+# watchdog reads (as a real child does), then tells the supervisor the child is serving.
+CHILD_START = """
+import asyncio, json, os, sys, time
 spec = json.loads(sys.argv[sys.argv.index("--child") + 1])
-async def main():
-    if sys.argv[1] != "hang":
+async def serve(metrics=True):
+    if metrics:
         async def answer(r, w):
             w.write(b"# HELP x x\\n")
             w.close()
         path = os.path.join(spec["run_dir"], f"metrics-{spec['index']}.sock")
         await asyncio.start_unix_server(answer, path)
     os.write(spec["ready_fd"], b"ready\\n")
+"""
+
+# A child that says it is serving and then answers on its metrics socket (as a real one does),
+# or never does (`hang`: alive, silent, like a process whose event loop is stuck).
+QUIET_CHILD = (
+    CHILD_START
+    + """
+async def main():
+    await serve(metrics=sys.argv[1] != "hang")
     await asyncio.sleep(3600)
 asyncio.run(main())
 """
+)
 
 SUPERVISE = """
 import sys

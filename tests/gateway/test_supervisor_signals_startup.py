@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.redis_server import free_port
+from tests.gateway.test_processes import CHILD_START
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,9 +38,10 @@ sys.exit(sup.run())
 
 # Serves; writes a line per SIGTERM to <argv[1]>.<index>. One SIGTERM drains for 30 s (as
 # DrainingServer drains for drain_grace_s), a second one ends it at once.
-COUNTING_CHILD = """
-import asyncio, json, os, signal, sys, time
-spec = json.loads(sys.argv[sys.argv.index("--child") + 1])
+COUNTING_CHILD = (
+    CHILD_START
+    + """
+import signal
 marks = sys.argv[1] + f".{spec['index']}"
 terms = 0
 def on_term(*_):
@@ -49,12 +51,7 @@ def on_term(*_):
         f.write("TERM\\n")
 signal.signal(signal.SIGTERM, on_term)
 async def main():
-    async def answer(r, w):
-        w.write(b"# HELP x x\\n")
-        w.close()
-    path = os.path.join(spec["run_dir"], f"metrics-{spec['index']}.sock")
-    await asyncio.start_unix_server(answer, path)
-    os.write(spec["ready_fd"], b"ready\\n")
+    await serve()
     first = None
     while terms < 2:
         await asyncio.sleep(0.02)
@@ -64,26 +61,23 @@ async def main():
                 return
 asyncio.run(main())
 """
+)
 
 # argv[1] "restart": the first start serves, slot 0 then crashes, and every later start hangs
 # before it listens. "first": every start hangs before it listens.
-STUCK_CHILD = """
-import asyncio, json, os, sys, time
-spec = json.loads(sys.argv[sys.argv.index("--child") + 1])
+STUCK_CHILD = (
+    CHILD_START
+    + """
 if sys.argv[1] == "restart" and spec["starts"] == 1:
     async def main():
-        async def answer(r, w):
-            w.write(b"# HELP x x\\n")
-            w.close()
-        path = os.path.join(spec["run_dir"], f"metrics-{spec['index']}.sock")
-        await asyncio.start_unix_server(answer, path)
-        os.write(spec["ready_fd"], b"ready\\n")
+        await serve()
         await asyncio.sleep(0.5 if spec["index"] == 0 else 3600)
         sys.exit(7)
     asyncio.run(main())
 else:
     time.sleep(3600)  # stuck in start-up (a hung connect): never listens
 """
+)
 
 
 def supervise(
