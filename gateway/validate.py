@@ -7,7 +7,8 @@ sampling bounds, output limits, `n`/`best_of`, `stop`, `seed`, logprobs) are che
 parsed dict, with `param` naming the field as OpenAI does: a bad request refused by the worker
 has already taken a queue slot, a quota reservation and a worker round trip, and some (`n` that
 is not an int, a non-numeric limit) would otherwise break the gateway's own accounting. Only type
-and range checks that cost a few lookups: no schema model of the whole body.
+and range checks that cost a few lookups: no schema model of the whole body. Two engine-control
+fields are refused outright (`_NOT_FROM_CLIENTS`): what they do cannot be capped or isolated.
 """
 
 from __future__ import annotations
@@ -350,6 +351,22 @@ def _cache_salt(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
         )
 
 
+def _not_from_clients(key: str, v: Any, data: dict[str, Any], chat: bool) -> None:
+    if key == "chat_template" and not chat:
+        return  # not a completions field: passed through like any unknown one
+    raise bad_request(f"`{key}` is not accepted from clients: {_NOT_FROM_CLIENTS[key]}", key)
+
+
+# Engine-control fields a tenant must not set, and why. `kv_transfer_params` addresses another
+# engine's KV blocks on a disaggregated (P/D) fleet (`do_remote_prefill`, `remote_block_ids`):
+# forwarded, a tenant could read blocks computed for someone else. A request `chat_template` is
+# refused by vLLM unless started with `--trust-request-chat-template`, and where that flag is on a
+# few bytes of template can render any size of prompt, which no estimate of the body can cap.
+_NOT_FROM_CLIENTS: dict[str, str] = {
+    "kv_transfer_params": "KV transfer between engines is set up by the serving stack.",
+    "chat_template": "the model's own chat template is used.",
+}
+
 _POSITIVE_INTS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of"})
 # The rarer scalar fields OpenAI refuses with a 400 when malformed: field -> check(key, value,
 # body, chat). The frequent ones (output limits, sampling bounds) are checked inline.
@@ -360,6 +377,7 @@ _CHECKS: dict[str, Callable[[str, Any, dict[str, Any], bool], None]] = {
     "logprobs": _logprobs,
     "top_logprobs": _top_logprobs,
     "cache_salt": _cache_salt,
+    **dict.fromkeys(_NOT_FROM_CLIENTS, _not_from_clients),
 }
 
 

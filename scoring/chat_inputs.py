@@ -19,6 +19,7 @@ import xxhash
 
 __all__ = [
     "RENDERED_FIELDS",
+    "RENDERER_FIELDS",
     "REQUEST_TEMPLATE_VARS",
     "ContentFormat",
     "TokenKeyError",
@@ -79,18 +80,21 @@ REQUEST_TEMPLATE_VARS: Mapping[str, Any] = {
 # Every body field whose content the template receives, hence may render into the prompt. The one
 # list: ``chat_inputs`` builds the template's inputs from these fields and no other, and the
 # gateway's prompt estimate (``rendered_bytes``, for `max_input_tokens` and the reservation) counts
-# these fields and no other, so a field the template sees can never be free against the caps (a
-# RAG template renders `documents`, Llama 3.1 `chat_template_kwargs.custom_tools`). Not here:
-# sampling fields, `cache_salt`, and `response_format` and `tool_choice`, which vLLM's template
-# path (the one modelled here) does not hand the template; its Kimi-K3 renderer alone renders them
-# (vllm/renderers/kimi_k3.py), so on such a fleet a `response_format` schema is prompt that
-# neither the estimate nor token mode sees.
+# these fields and ``RENDERER_FIELDS``, so a field the template sees can never be free against the
+# caps (a RAG template renders `documents`, Llama 3.1 `chat_template_kwargs.custom_tools`). Not
+# here: sampling fields, `cache_salt`.
 RENDERED_FIELDS: tuple[str, ...] = (
     "messages",
     "tools",
     "chat_template_kwargs",
     *REQUEST_TEMPLATE_VARS,
 )
+# Fields vLLM's template path (the one ``chat_inputs`` models) does not hand the template, but one
+# of its own renderers puts into the prompt: Kimi-K3's (vllm/renderers/kimi_k3.py) renders the
+# `response_format` schema and `tool_choice`. The estimate counts them too: on such a fleet a
+# 50 kB schema is ~12k prompt tokens, and elsewhere counting it over-reserves what the settlement
+# gives back (a cap errs on the safe side).
+RENDERER_FIELDS: tuple[str, ...] = ("response_format", "tool_choice")
 
 
 class TokenKeyError(ValueError):
@@ -406,18 +410,19 @@ def _template_kwargs_bytes(kw: Any) -> int:
     return sum(_json_bytes(x) for k, x in kw.items() if k not in _NOT_TEMPLATE_VARS)
 
 
-# How each rendered field is sized: every one of RENDERED_FIELDS, and only those; the JSON it
-# holds unless it has its own rule.
+# How each rendered field is sized: every one of RENDERED_FIELDS and RENDERER_FIELDS, and only
+# those; the JSON it holds unless it has its own rule.
 _FIELD_BYTES: dict[str, Callable[[Any], int]] = {
-    **dict.fromkeys(RENDERED_FIELDS, _json_bytes),
+    **dict.fromkeys((*RENDERED_FIELDS, *RENDERER_FIELDS), _json_bytes),
     "messages": _messages_bytes,
     "chat_template_kwargs": _template_kwargs_bytes,
 }
 
 
 def rendered_bytes(body: Mapping[str, Any]) -> int:
-    """About the UTF-8 bytes of everything a chat request's template receives (``RENDERED_FIELDS``):
-    message text and fields, tools, documents, template kwargs; media parts and the template's own
+    """About the UTF-8 bytes of everything a chat request's template receives (``RENDERED_FIELDS``),
+    and what vLLM's other renderers add (``RENDERER_FIELDS``): message text and fields, tools,
+    documents, template kwargs, a `response_format` schema; media parts and the template's own
     text (but 8 bytes of role markers a message) left out. One walk of the parsed body, no
     serialisation: the gateway runs it on every chat request for its input cap and reservation,
     so it goes over the body's own keys (a handful) rather than looking up each rendered field.

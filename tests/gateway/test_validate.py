@@ -307,3 +307,33 @@ def test_request_headers_are_read_once_by_lower_case_name_the_first_of_repeats()
     h = request_headers(scope)
     assert h["authorization"] == "Bearer a" and h["x-request-id"] == "first"  # as Starlette's
     assert h["x-caf\xe9"] == "\xff"  # latin-1 both ways, never a decode error
+
+
+PD_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (CHAT, chat_body(kv_transfer_params=PD_PARAMS), "kv_transfer_params"),
+        (COMPLETIONS, body(model="m", prompt="x", kv_transfer_params={}), "kv_transfer_params"),
+        (
+            CHAT,
+            chat_body(chat_template="{% for i in range(10**6) %}x{% endfor %}"),
+            "chat_template",
+        ),
+    ],
+)
+def test_engine_control_fields_are_refused_from_clients(path: str, raw: bytes, param: str) -> None:
+    # Another tenant's KV blocks on a P/D fleet; a template that renders an uncapped prompt.
+    with pytest.raises(APIError) as ei:
+        parse_request(path, raw)
+    assert ei.value.status == 400 and ei.value.param == param
+    assert "not accepted from clients" in ei.value.message
+
+
+def test_engine_control_fields_unset_or_foreign_to_the_endpoint_pass() -> None:
+    raw = chat_body(kv_transfer_params=None, chat_template=None)
+    assert parse_request(CHAT, raw).data["kv_transfer_params"] is None
+    raw = body(model="m", prompt="x", chat_template="t")  # completions has no template
+    assert parse_request(COMPLETIONS, raw).data["chat_template"] == "t"
