@@ -523,6 +523,15 @@ class AdmissionController:
         """Pools (models) that ever queued, for per-model gauges."""
         return list(self._pools)
 
+    def forget_pool(self, pool: str) -> bool:
+        """Drop an idle pool (its model left the fleet), so its gauges go with it; a pool that
+        still queues requests stays until they are served or refused. True when dropped."""
+        p = self._pools.get(pool)
+        if p is None or p.queue._size or p in self._held:
+            return False
+        del self._pools[pool]
+        return True
+
     def pool_queue(self, pool: str = "") -> FairQueue | None:
         """The core of one pool (tests, debugging)."""
         p = self._pools.get(pool)

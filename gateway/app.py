@@ -360,12 +360,20 @@ class Gateway:
             old = before.get(name)
             if old is not None and old.in_flight > 0:
                 self._retired.append(old)  # its requests still run: drain counts them
+        if removed:
+            self._forget_models()
         if added or removed:
             log.info("fleet changed: added %s, removed %s", added, removed)
         if self.prober:
             self.prober.sync()
             # Started gateways only: start() subscribes the initial fleet itself.
             self._schedule_kv_sync()
+
+    def _forget_models(self) -> None:
+        """Admission pools and series of models no worker in the fleet lists any more."""
+        for pool in self.admission.pools():
+            if not self.registry.knows_model(pool) and self.admission.forget_pool(pool):
+                self.metrics.forget_model(pool)
 
     def _schedule_kv_sync(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_kv_events())

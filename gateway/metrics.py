@@ -374,6 +374,18 @@ class GatewayMetrics:
         for h in Health:
             self.worker_state.labels(name, h.value).set(1 if health is h else 0)
 
+    def forget_model(self, model: str) -> None:
+        """Drop the admission series of a model no worker serves any more (its pool is gone)."""
+        self.flush()
+        for metric in (self.admission_wait, self.admission_outcomes):
+            for key in [k for k in self._children if k[0] == id(metric) and k[1][0] == model]:
+                del self._children[key]
+            for labels in [k for k in metric._metrics if k[0] == model]:
+                metric.remove(*labels)
+        self._deferred = [
+            c for c in self._children.values() if isinstance(c, (BatchedCounter, BatchedGauge))
+        ]
+
     def forget_worker(self, name: str, states: list[str]) -> None:
         """Drop a removed worker's series so dashboards do not show ghosts."""
         self.flush()  # what the worker's batched series hold goes in before they are dropped

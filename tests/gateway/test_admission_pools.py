@@ -13,9 +13,12 @@ import asyncio
 import functools
 import random
 
+from prometheus_client import generate_latest
+
 from gateway.admission import AdmissionController, AdmissionSettings
 from gateway.app import Gateway
 from gateway.call import Call
+from gateway.core_settings import worker_spec
 from gateway.errors import APIError
 from scoring.views import RouteRequest
 from tests.gateway.conftest import MODEL, settings_for
@@ -201,3 +204,34 @@ async def test_a_slot_a_base_model_request_frees_admits_a_queued_adapter_request
     await _turns()
     assert waiter.done() and gw.admission.queued() == 0
     gw.admission.close()
+
+
+async def test_a_model_that_leaves_the_fleet_takes_its_pool_and_series_with_it() -> None:
+    # Review finding: the admission pool and kvgate_admission_* series of a model no worker
+    # serves any more stayed forever (a dashboard ghost per retired model).
+    s = settings_for(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+    workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
+    gw = Gateway(s.model_copy(update={"workers": workers}))
+    for name, model in (("w0", MODEL), ("w1", LORA)):
+        gw.registry.probe_ok(name, [{"id": model}], None)
+        gw.registry.workers[name].health = Health.HEALTHY
+    for name, model in (("w0", MODEL), ("w1", LORA)):
+        gw.registry.workers[name].in_flight = 1  # full: the request queues in its model's pool
+        waiter = asyncio.ensure_future(_admit(gw, model))
+        await _turns()
+        assert not waiter.done()
+        gw.registry.workers[name].in_flight = 0
+        gw.admission.kick()
+        await asyncio.wait_for(waiter, 5)
+    metrics = gw.metrics.registry
+    assert sorted(gw.admission.pools()) == sorted([MODEL, LORA])
+
+    def series(model: str) -> float | None:
+        labels = {"model": model, "tier": "5", "outcome": "admitted"}
+        return metrics.get_sample_value("kvgate_admission_outcomes_total", labels)
+
+    assert series(LORA) == 1 and series(MODEL) == 1
+    gw.sync_workers([s for s in map(worker_spec, gw.settings.workers) if s.name == "w0"])
+    assert gw.admission.pools() == [MODEL]
+    assert series(LORA) is None and series(MODEL) == 1
+    assert 'model="sim-llama-lora"' not in generate_latest(metrics).decode()
