@@ -43,6 +43,9 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Debug header with the routing decision (worker and reason) on every response.
     debug_headers: bool = False
+    # Name the worker that served each proxied response in `x-kvgate-worker` (the bench tools
+    # count placements by it). Off keeps the fleet's layout from clients.
+    worker_header: bool = True
     # Total size of the request headers; larger requests get a 431 before any work is done.
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     # Completion requests served at once (queued ones included); beyond it a 503 with Retry-After

@@ -287,8 +287,10 @@ class Proxy:
 
     def _headers(self, call: Call, worker: str, reason: str, settings: Settings) -> dict[str, str]:
         h = echo_headers(call.request_id, call.client_request_id)
-        h["x-kvgate-worker"] = worker
-        if settings.server.debug_headers:
+        server = settings.server
+        if server.worker_header:
+            h["x-kvgate-worker"] = worker
+        if server.debug_headers:
             d = call.route_debug
             scores = ";".join(f"{k}={v:.3f}" for k, v in (d.scores if d else {}).items())
             h["x-kvgate-route"] = (

@@ -106,6 +106,20 @@ async def test_sse_bytes_are_the_workers_bytes_across_odd_chunk_boundaries() -> 
     assert orjson.loads(received[0]) == body  # asked for usage: forwarded untouched
 
 
+async def test_the_worker_header_can_be_turned_off() -> None:
+    # Security review: the header names the fleet's workers to every client; `worker_header =
+    # false` keeps them from tenants (streams and whole answers alike).
+    async with run_scripted_worker() as (url, _received):
+        for on in (True, False):
+            s = settings_for([url], server={"worker_header": on})
+            async with run_gateway(s) as g:
+                await g.wait_healthy(1)
+                for stream in (True, False):
+                    r = await post(g.url + "/v1/chat/completions", {**CHAT, "stream": stream})
+                    assert r.status_code == 200 and r.headers["x-request-id"]
+                    assert r.headers.get("x-kvgate-worker") == ("w0" if on else None)
+
+
 class _CountedWrites:
     """A client connection's transport that keeps what each ``write`` carried."""
 
