@@ -64,6 +64,7 @@ class ConfigWatcher:
         self._task: asyncio.Task[None] | None = None
         self._watched: frozenset[str] = frozenset()
         self._links: frozenset[Path] = frozenset()
+        self._directory = path.absolute().parent
 
     def reload(self) -> bool:
         try:
@@ -125,8 +126,10 @@ class ConfigWatcher:
         # file's own directory is watched for it, so an edit of the target in place applies.
         # So is a link the directory itself is reached through (/etc/kvgate -> /srv/cfg-v1, then
         # `ln -sfn /srv/cfg-v2 /etc/kvgate`): the swap is a rename in the link's parent, which
-        # is watched for the link's name, and the watch is moved to the new directory.
-        directory = self.path.absolute().parent
+        # is watched for the link's name, and the watch is moved to the new directory. And a
+        # real directory renamed into place (`mv conf.new conf`): the parent is watched for the
+        # directory's name, and the new inode's change of `_Layout` moves the watch there.
+        directory = self._directory = self.path.absolute().parent
         failed: _Layout | None = None  # where things stood when the watch last failed
         while True:
             self._watched = self._names(directory)
@@ -140,6 +143,8 @@ class ConfigWatcher:
             self._links = frozenset(link for link, _text in layout.links)
             where = [directory] if target is None else [directory, target.parent]
             where += sorted({link.parent for link in self._links} - set(where))
+            if directory.parent != directory and directory.parent not in where:
+                where.append(directory.parent)  # for the directory's own name: see `_wanted`
             try:
                 async for _changes in awatch(
                     *where,
@@ -180,6 +185,10 @@ class ConfigWatcher:
         """An entry the path reads through (by name, in its directory), the outside target, or
         a link on the way to either (by its path, in its own parent)."""
         p = Path(path)
+        if p == self._directory:  # the directory itself, renamed over or away (in its parent)
+            return True
+        if p.parent != self._directory and p.parent == self._directory.parent:
+            return p in self._links or p == target  # the parent's other entries: not ours
         return p.name in self._watched or p == target or p in self._links
 
     def _layout(self, directory: Path) -> _Layout:

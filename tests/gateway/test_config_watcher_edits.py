@@ -285,3 +285,21 @@ async def test_a_swap_to_a_missing_directory_and_back_is_applied(
         (tmp_path / "v2" / "config.toml").write_text(_cfg(9002), encoding="utf-8")
         assert await _until(lambda: len(applied) >= 2), "the created directory was not applied"
     assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9003", "http://127.0.0.1:9002"]
+
+
+async def test_a_real_directory_renamed_into_place_is_followed(tmp_path: Path) -> None:
+    # No link at all: a deploy builds the new directory beside the old one and renames it into
+    # place (`mv conf conf.old && mv conf.new conf`). The watch stays on the inode it was set
+    # on, the old directory, and saw nothing; the directory's name in its parent is watched too.
+    conf, new, old = tmp_path / "conf", tmp_path / "conf.new", tmp_path / "conf.old"
+    for d, port in ((conf, 9001), (new, 9002)):
+        d.mkdir()
+        (d / "config.toml").write_text(_cfg(port), encoding="utf-8")
+    async with _watching(conf / "config.toml") as (applied, _errors, _w):
+        os.rename(conf, old)
+        os.rename(new, conf)
+        assert await _until(lambda: bool(applied)), "the renamed-in directory was not applied"
+        shutil.rmtree(old)
+        (conf / "config.toml").write_text(_cfg(9012), encoding="utf-8")  # then edits in place
+        assert await _until(lambda: len(applied) >= 2), "an edit in the new directory was missed"
+    assert [s.workers[0].url for s in applied] == ["http://127.0.0.1:9002", "http://127.0.0.1:9012"]
