@@ -83,7 +83,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -328,20 +328,32 @@ class AdmissionController:
         held, self._held = self._held, []
         for p in held:
             p.held = False
-            if p.queue._size:
-                self._kick_pool(p)
+        for p in self._by_priority(held):
+            self._kick_pool(p)
 
     # -- releasing waiters -----------------------------------------------------------------------
-    def kick(self, pool: str | None = None) -> None:
-        """Room may have appeared (a request finished, a scrape came in): admit what fits."""
-        if pool is None:
-            for p in self._pools.values():
-                if p.queue._size:
-                    self._kick_pool(p)
-        else:
+    def kick(self, pool: str | Collection[str] | None = None) -> None:
+        """Room may have appeared (a request finished, a scrape came in): admit what fits, in
+        ``pool``, in several (the models one worker serves) or in all."""
+        if isinstance(pool, str):
             p = self._pools.get(pool)
             if p is not None and p.queue._size:
                 self._kick_pool(p)
+            return
+        pools = self._pools.values() if pool is None else map(self._pools.get, pool)
+        for p in self._by_priority(pools):
+            self._kick_pool(p)
+
+    @staticmethod
+    def _by_priority(pools: Iterable[_Pool | None]) -> list[_Pool]:
+        """Pools with waiters, the highest waiting tier first: pools sharing workers (a base
+        model and its adapters) compete for the same free slot, and strict priority holds only
+        inside one queue, so the order of the pools must follow it too (review: a 0.1 adapter
+        request took the slot ahead of a 0.9 base-model one, by dict or frozenset order)."""
+        busy = [p for p in pools if p is not None and p.queue._size]
+        if len(busy) > 1:
+            busy.sort(key=lambda p: -p.queue.top_tier())
+        return busy
 
     def _kick_pool(self, p: _Pool, now: float | None = None) -> None:
         q = p.queue
@@ -381,8 +393,18 @@ class AdmissionController:
         self.observer.refused(p.name, e.tier, rej.reason.value, rej.status)
 
     def _arm(self) -> None:
-        if self._timer is None and self._loop is not None and self._closed is None:
-            self._timer = self._loop.call_later(self._next_tick(), self._tick)
+        """The recheck timer, due at the earliest queued deadline (or ``recheck_s``): set again
+        when a newcomer's deadline comes before it, or that waiter would be refused only when a
+        timer armed for a later one fired (up to ``recheck_s`` late)."""
+        loop = self._loop
+        if loop is None or self._closed is not None:
+            return
+        delay = self._next_tick()
+        if self._timer is not None:
+            if self._timer.when() - loop.time() <= delay + 1e-3:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_later(delay, self._tick)
 
     def _next_tick(self) -> float:
         delay = self.settings.recheck_s
@@ -396,7 +418,7 @@ class AdmissionController:
     def _tick(self) -> None:
         self._timer = None
         try:
-            for p in list(self._pools.values()):
+            for p in self._by_priority(list(self._pools.values())):
                 self._kick_pool(p)
         except Exception:  # a broken predicate must not stop the timer that ends every wait
             log.exception("admission re-check failed")

@@ -34,7 +34,9 @@ _T = TypeVar("_T")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf or nan anywhere (TOML has both): `queue_weight = inf` passed `gt=0` and turned
+    # every queued request of that tenant into a 500.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ServerSettings(_Section):

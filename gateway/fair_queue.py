@@ -148,7 +148,8 @@ class _Rate:
         self.samples += served
 
     def per_s(self) -> float | None:
-        return self.count / self.time if self.time > 1e-9 and self.count > 0 else None
+        r = self.count / self.time if self.time > 1e-9 else 0.0
+        return r if r > 0 else None  # (a long stall can decay the count to underflow)
 
 
 class FairQueue:
@@ -193,8 +194,12 @@ class FairQueue:
         if cap and self._per_tenant.get(e.tenant, 0) >= cap:
             return self._refuse(e, Reason.TENANT_LIMIT, 429, now)
         remaining = e.deadline - now
-        wait = self.predicted_wait(e.tier, e.tenant, e.weight)
-        if remaining <= 0 or (wait is not None and wait > remaining):
+        # Refused on the estimate only behind others: a newcomer with nobody ahead waits for the
+        # next free slot, which no rate learned in an earlier stall predicts (one stall had made
+        # an empty queue predict 16 s, refuse every newcomer, and so never learn again).
+        ahead = self._ahead(e.tier, e.tenant, e.weight)
+        rate = self.service_rate() if ahead >= 1 else None
+        if remaining <= 0 or (rate is not None and (ahead + 1) / rate > remaining):
             status = 429 if self._over_share(e.tier, e.tenant, e.weight, 1) else 503
             return self._refuse(e, Reason.DEADLINE, status, now)
         shed: tuple[Entry, ...] = ()
@@ -318,6 +323,10 @@ class FairQueue:
             e.rejection = Rejection(Reason.CLOSED, 503, retry_after_s)
         return out
 
+    def top_tier(self) -> int:
+        """The highest tier with a waiter (-1 when empty): the next one served."""
+        return max(self._tiers, default=-1)
+
     def next_deadline(self) -> float | None:
         dl = self._deadlines
         while dl and dl[0][2].state is not State.QUEUED:
@@ -391,6 +400,10 @@ class FairQueue:
         rate = self.service_rate()
         if rate is None:
             return None
+        return (self._ahead(tier, tenant, weight) + 1) / rate
+
+    def _ahead(self, tier: int, tenant: str, weight: float) -> float:
+        """Queued entries served before a newcomer (tier, tenant, weight) at the current shares."""
         ahead = 0.0
         for level, t in self._tiers.items():
             if level > tier:
@@ -405,7 +418,7 @@ class FairQueue:
             for f in t.flows.values():
                 if f is not own and f.q:
                     ahead += min(len(f.q), turns * f.weight)
-        return (ahead + 1) / rate
+        return ahead
 
     def _over_share(self, tier: int, tenant: str, weight: float, extra: int) -> bool:
         """More than its weighted share of the tier's queue (counting `extra` more of its own).

@@ -110,12 +110,8 @@ class Lifecycle:
         worker.released()
         self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
         models = worker.models
-        if len(models) > 1:  # a base model and its adapters: any of their queues may take it
-            kick = self.admission.kick
-            for m in models:
-                kick(m)
-        else:
-            self.admission.kick(call.model)
+        # A base model and its adapters: any of their queues may take it, the highest tier first.
+        self.admission.kick(models if len(models) > 1 else call.model)
 
     def refused(self, worker: Worker, call: Call) -> None:
         """The worker answered this attempt without working on it (a 4xx, a 5xx, no

@@ -84,11 +84,17 @@ class Slots:
         """The workers a dispatch may pick from, the filters in order: healthy and serving
         ``model`` (the registry's), not ``tried`` by this request, in its canary pool, with room.
         The last two are preferences: when nobody passes one it is dropped, so a request still
-        goes somewhere (the pool empty or full, every worker full past admission's count)."""
+        goes somewhere (the pool empty or full, every worker full past admission's count).
+        Room comes before the pool: admission counted the free slots of every worker of the
+        model, so a request drawn into a full canary pool goes to a worker with room outside it
+        (the canary's share falls while it is full) rather than past the canary's cap (review:
+        a canary at max_concurrency 1 reached 6 in flight beside an idle stable worker)."""
         cands = [w for w in self.registry.candidates(model) if w.name not in tried]
-        if pool_ok is not None:
-            cands = [w for w in cands if pool_ok(w)] or cands
         room = self.worker_room
+        if pool_ok is not None:
+            pool = [w for w in cands if pool_ok(w)]
+            roomy = [w for w in pool if room(w) > 0] or [w for w in cands if room(w) > 0]
+            return roomy or pool or cands
         return [w for w in cands if room(w) > 0] or cands
 
     def free(self, model: str, priority: float) -> int:

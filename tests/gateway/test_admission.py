@@ -290,6 +290,33 @@ def test_service_rate_is_learned_only_from_backlogged_time() -> None:
     assert q.service_rate() == pytest.approx(10.0)
 
 
+def test_a_stall_does_not_lock_the_queue_out() -> None:
+    # Review finding: after a stall (waits timing out, nothing served) the learned rate made
+    # even an empty queue predict more than a 10 s deadline, so every newcomer was refused at
+    # push, nothing queued again and the estimate never moved: no queue until a restart.
+    q = fq(min_rate_samples=5)
+    now = _learn_rate(q, 10.0, 20)
+    for _ in range(8):  # 80 s in which every wait times out
+        e = push(q, "a", deadline=now + 10.0, now=now)
+        assert e.state is State.QUEUED, "an empty queue refused a newcomer on a stale estimate"
+        now += 10.01
+        assert [e.rejection.reason for e in q.expire(now)] == [Reason.EXPIRED]
+    rate = q.service_rate()
+    assert rate is not None and 2 / rate > 10.0  # one ahead would now be "too long"
+    # Nobody ahead: the newcomer queues, whatever the stale rate says ...
+    head = push(q, "a", deadline=now + 10.0, now=now)
+    assert head.state is State.QUEUED
+    # ... one behind it is refused on the estimate (503, a Retry-After) ...
+    behind = push(q, "b", deadline=now + 10.0, now=now)
+    assert behind.rejection is not None and behind.rejection.reason is Reason.DEADLINE
+    # ... and served requests teach it the fleet is back: soon a queue forms again.
+    for _ in range(10):
+        now += 0.01
+        assert q.pop(now) is head
+        head = push(q, "a", deadline=now + 10.0, now=now)
+    assert push(q, "b", deadline=now + 10.0, now=now).state is State.QUEUED
+
+
 def test_predicted_wait_beyond_the_deadline_is_refused_at_once() -> None:
     q = fq(min_rate_samples=5)
     now = _learn_rate(q, 10.0, 20)  # 10 admissions / s
@@ -791,3 +818,31 @@ async def test_random_traffic_loses_nothing_and_never_oversubscribes(predicate: 
     q.check()
     assert all(s in TERMINAL for s in q.outcomes)
     assert c._granted == 0
+
+
+async def test_a_short_deadline_queued_behind_a_long_one_ends_at_its_own_deadline() -> None:
+    # Review finding: the recheck timer was armed for the first waiter (min(recheck_s, 20 s) =
+    # 5 s) and not moved for a newcomer due sooner, which waited until it fired.
+    adm = AdmissionController(AdmissionSettings(recheck_s=5.0, max_deadline_s=30.0))
+
+    def no_room() -> int:
+        return 0
+
+    long = asyncio.create_task(
+        adm.admit(tenant="a", priority=0.5, deadline_s=20.0, has_room=no_room)
+    )
+    await asyncio.sleep(0.01)
+    short = asyncio.create_task(
+        adm.admit(tenant="b", priority=0.5, deadline_s=0.2, has_room=no_room)
+    )
+    try:
+        await asyncio.wait({short}, timeout=2.5)  # well before the 5 s timer, well after 0.2 s
+        assert short.done(), "the 0.2 s waiter was still queued: ended only by the 5 s timer"
+        with pytest.raises(APIError) as ei:
+            short.result()
+        assert ei.value.status == 503 and not long.done()
+    finally:
+        adm.close()
+        for t in (long, short):
+            t.cancel()
+        await asyncio.gather(long, short, return_exceptions=True)

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import random
 
+import pytest
 from prometheus_client import generate_latest
 
 from gateway.admission import AdmissionController, AdmissionSettings
@@ -235,3 +236,64 @@ async def test_a_model_that_leaves_the_fleet_takes_its_pool_and_series_with_it()
     assert gw.admission.pools() == [MODEL]
     assert series(LORA) is None and series(MODEL) == 1
     assert 'model="sim-llama-lora"' not in generate_latest(metrics).decode()
+
+
+@pytest.mark.parametrize("via", ["every pool", "the worker's models"])
+async def test_a_freed_shared_slot_goes_to_the_highest_priority_of_every_pool(via: str) -> None:
+    # Review finding: strict priority held inside one pool's queue only, and pools were kicked
+    # in creation (or frozenset) order: a 0.1 adapter request that queued first took the slot
+    # ahead of a 0.9 base-model request waiting for the same worker.
+    gw, w = _one_worker_two_models(1)
+    w.in_flight = 1  # full
+    order: list[str] = []
+
+    async def request(name: str, model: str, priority: float) -> None:
+        await gw.admission.admit(
+            tenant=name,
+            priority=priority,
+            deadline_s=5.0,
+            has_room=functools.partial(gw.slots.free, model, priority),
+            pool=model,
+        )
+        w.in_flight += 1
+        order.append(name)
+
+    low = asyncio.create_task(request("low", LORA, 0.1))
+    await _turns()
+    high = asyncio.create_task(request("high", MODEL, 0.9))
+    await _turns()
+    assert gw.admission.queued() == 2
+    w.in_flight -= 1
+    gw.admission.kick() if via == "every pool" else gw.admission.kick(w.models)
+    await _turns()
+    try:
+        assert order == ["high"]
+    finally:
+        gw.admission.close()
+        await asyncio.gather(low, high, return_exceptions=True)
+
+
+def test_a_full_canary_pool_yields_to_room_outside_it() -> None:
+    # Review finding: admission counts every worker's free slots, but dispatch kept a canary
+    # request on its full canary worker (the pool filter was dropped only when empty): a canary
+    # at max_concurrency 1 reached 6 in flight beside an idle stable worker.
+    s = settings_for(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+    canary_labels = {"pool": "canary"}
+    workers = [
+        s.workers[0].model_copy(update={"max_concurrency": 1, "labels": canary_labels}),
+        s.workers[1].model_copy(update={"max_concurrency": 1}),
+    ]
+    gw = Gateway(s.model_copy(update={"workers": workers}))
+    for name in ("w0", "w1"):
+        gw.registry.probe_ok(name, [{"id": MODEL}], None)
+        gw.registry.workers[name].health = Health.HEALTHY
+    canary, stable = gw.registry.workers["w0"], gw.registry.workers["w1"]
+
+    def in_canary(w: Worker) -> bool:
+        return w.spec.labels == canary_labels
+
+    assert gw.slots.eligible(MODEL, set(), in_canary) == [canary]  # room in the pool: the pool
+    canary.in_flight = 1
+    assert gw.slots.eligible(MODEL, set(), in_canary) == [stable]  # full: room elsewhere
+    stable.in_flight = 1
+    assert gw.slots.eligible(MODEL, set(), in_canary) == [canary]  # all full: the pool still

@@ -1,7 +1,9 @@
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.config import (
     ConfigError,
@@ -85,6 +87,16 @@ def test_invalid_files_are_rejected_with_the_reason(tmp_path: Path, text: str, n
     f.write_text(text)
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         load_settings(f)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_settings_built_without_the_file_refuse_non_finite_numbers(value: float) -> None:
+    # The file loader refuses inf/nan itself; settings from the environment or built in code
+    # went through `gt=0` alone, and a tenant's queue_weight = inf made its queued requests 500s.
+    with pytest.raises(ValidationError, match="finite"):
+        Settings(tenants={"a": {"queue_weight": value}})
+    with pytest.raises(ValidationError, match="finite"):
+        Settings(timeouts={"total_s": value})
 
 
 def test_watcher_applies_valid_and_keeps_running_config_on_invalid(tmp_path: Path) -> None:
