@@ -142,10 +142,18 @@ def _check_prompt(prompt: Any) -> bool:
     if isinstance(first, str):
         return all(isinstance(p, str) and p for p in prompt)
     if _is_int(first):
-        return all(_is_int(p) and p >= 0 for p in prompt)
+        return all(_is_int(p) and 0 <= p <= _MAX_TOKEN_ID for p in prompt)
     if isinstance(first, list):
-        return all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+        return all(
+            isinstance(p, list) and p and all(_is_int(t) and 0 <= t <= _MAX_TOKEN_ID for t in p)
+            for p in prompt
+        )
     return False
+
+
+# Token ids are packed as unsigned 32-bit to be keyed (``scoring.prefix.chain_hashes_tokens``);
+# no vocabulary comes near it, and an id past it crashed the keying with a 500 (review finding).
+_MAX_TOKEN_ID = 2**32 - 1
 
 
 # What OpenAI accepts as a message role (vLLM renders any string, but a role the chat template

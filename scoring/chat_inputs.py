@@ -176,7 +176,7 @@ def _tool_calls(calls: Any) -> list[Any] | None:
             elif isinstance(args, str) and args:
                 try:
                     parsed = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):  # a string nested past the parser's stack
                     parsed = {}
             fn["arguments"] = parsed if isinstance(parsed, dict) else {}
             item["function"] = fn

@@ -209,10 +209,11 @@ class TokenKeyer:
     # -- ids --
     def render(self, body: Mapping[str, Any]) -> str:
         """The chat prompt text the worker's template produces for ``body``."""
-        msgs, tools, kw = chat_inputs(
-            body, content_format=self.content_format, developer_role=self.developer_role
-        )
         try:
+            # Inside the try: what normalisation cannot take falls back to text mode too.
+            msgs, tools, kw = chat_inputs(
+                body, content_format=self.content_format, developer_role=self.developer_role
+            )
             return self._render(msgs, tools, **kw)
         except TokenKeyError:
             raise
