@@ -23,6 +23,7 @@ __all__ = [
     "REQUEST_TEMPLATE_VARS",
     "ContentFormat",
     "TokenKeyError",
+    "body_bytes",
     "chat_inputs",
     "rendered_bytes",
     "utf8_len",
@@ -321,40 +322,58 @@ def _scalar_bytes(obj: Any) -> int:
     return 4 if t is bool or obj is None else len(str(obj))  # true, false, null
 
 
-def _json_bytes(obj: Any) -> int:
+def _json_bytes(obj: Any, depth: int = 1) -> int:
     """About the UTF-8 size of ``obj`` as a template writes it (``tojson``, or ``key: value``):
     strings, keys and numbers exactly, quotes and separators approximated (2 per string, 4 per
     key, 1 per item). Templates serialise tool schemas and documents whole, so their keys are
     prompt tokens too. Parsed JSON holds only these exact types, so ``type() is`` stands in for
     the ABC checks, and string leaves, most of a schema, are sized inline rather than by a call.
+
+    Past ``_FLAT_DEPTH`` levels every element is charged what ``tojson(indent=4)`` (Llama 3.x's
+    tools) writes before it, a line of 4 x depth spaces: a list nested d deep is 2d bytes of
+    body and ~4d^2 rendered, and a 6 kB body of deep tool schemas rendered 2.5 MB (~300x) past
+    a 2,000-token `max_input_tokens` (review finding). Real schemas stay shallow and pay nothing.
     """
     t = type(obj)
     if t is str:
         return (len(obj) if obj.isascii() else utf8_len(obj)) + 2
+    ind = 4 * depth + 1 if depth > _FLAT_DEPTH else 0
     if t is dict:
-        n = 2
+        n = 2 + ind
         for k, v in obj.items():
-            n += (len(k) if type(k) is str and k.isascii() else _scalar_bytes(k)) + 4
+            n += (len(k) if type(k) is str and k.isascii() else _scalar_bytes(k)) + 4 + ind
             tv = type(v)
             if tv is str:
                 n += (len(v) if v.isascii() else utf8_len(v)) + 2
             elif tv is dict or tv is list:
-                n += _json_bytes(v)
+                n += _json_bytes(v, depth + 1)
             else:
                 n += _scalar_bytes(v)
         return n
     if t is list:
-        n = 2
+        n = 2 + ind
         for v in obj:
             tv = type(v)
             if tv is str:
-                n += (len(v) if v.isascii() else utf8_len(v)) + 3
+                n += (len(v) if v.isascii() else utf8_len(v)) + 3 + ind
             elif tv is dict or tv is list:
-                n += _json_bytes(v) + 1
+                n += _json_bytes(v, depth + 1) + 1 + ind
             else:
-                n += _scalar_bytes(v) + 1
+                n += _scalar_bytes(v) + 1 + ind
         return n
     return _scalar_bytes(obj)
+
+
+# Nesting levels a template's JSON is sized flat (see `_json_bytes`).
+_FLAT_DEPTH = 16
+# A depth no nesting reaches from: `_json_bytes` from here charges no indentation anywhere.
+_NEVER_DEEP = -(1 << 40)
+
+
+def body_bytes(body: Mapping[str, Any]) -> int:
+    """About the body's own size as compact JSON, to compare what it renders to
+    (``rendered_bytes``) without serialising it."""
+    return _json_bytes(body, _NEVER_DEEP)
 
 
 def _content_bytes(content: Any) -> int:
@@ -406,8 +425,11 @@ def _messages_bytes(msgs: Any) -> int:
 def _template_kwargs_bytes(kw: Any) -> int:
     if type(kw) is not dict:
         return 0  # chat_inputs hands the template nothing from it
-    # As chat_inputs: apply_chat_template's own parameters never reach the template.
-    return sum(_json_bytes(x) for k, x in kw.items() if k not in _NOT_TEMPLATE_VARS)
+    # All of it, apply_chat_template's own parameters too: vLLM 0.32 drops those (as
+    # chat_inputs does), but vLLM before its kwargs rework (still 0.11, which kvgate serves)
+    # let the request's `tools` / `documents` here replace the ones the template prints, so
+    # 100 kB of tools in them passed as 3 tokens (review finding). Over-counting is settled back.
+    return _json_bytes(kw)
 
 
 # How each rendered field is sized: every one of RENDERED_FIELDS and RENDERER_FIELDS, and only

@@ -36,7 +36,14 @@ from typing import Any, Protocol
 
 import xxhash
 
-from scoring.chat_inputs import ContentFormat, TokenKeyError, _content, chat_inputs
+from scoring.chat_inputs import (
+    ContentFormat,
+    TokenKeyError,
+    _content,
+    body_bytes,
+    chat_inputs,
+    rendered_bytes,
+)
 from scoring.prefix import (
     PathKind,
     PromptKey,
@@ -58,6 +65,12 @@ __all__ = [
 ]
 
 Encoder = Callable[[str], Sequence[int]]
+
+
+# Token mode renders a chat body itself only while its rendered size stays within this many times
+# the body's own (plus the slack): beyond, the template's output is quadratic in the body.
+_MAX_RENDER_RATIO = 8
+_RENDER_SLACK = 64 * 1024
 
 
 class ChatRenderer(Protocol):
@@ -209,6 +222,13 @@ class TokenKeyer:
     # -- ids --
     def render(self, body: Mapping[str, Any]) -> str:
         """The chat prompt text the worker's template produces for ``body``."""
+        rendered, size = rendered_bytes(body), body_bytes(body)
+        if rendered > _MAX_RENDER_RATIO * size + _RENDER_SLACK:
+            # Deep JSON a template prints indented (Llama 3.x's `tojson(indent=4)`) renders
+            # quadratically: a 1 MB body was 400 MB of template output, rendered here before
+            # any quota is taken (review finding). The worker renders it if it must; the
+            # gateway keys it as text.
+            raise TokenKeyError(f"renders to ~{rendered // max(size, 1)}x its body: keyed as text")
         try:
             # Inside the try: what normalisation cannot take falls back to text mode too.
             msgs, tools, kw = chat_inputs(

@@ -20,9 +20,11 @@ from gateway.config import TenantSettings
 from gateway.errors import APIError
 from gateway.quota import TenantLimits
 from gateway.tenancy import Tenant, apply_caps, estimate_prompt_tokens
+from gateway.tokenizers import ChatTemplate
 from gateway.validate import parse_request
 from scoring.chat_inputs import RENDERER_FIELDS, chat_inputs
 from scoring.prefix import text_key
+from scoring.token_mode import TokenKeyer, TokenKeyError
 
 CHAT = "/v1/chat/completions"
 MODEL = "m"
@@ -55,9 +57,11 @@ FIELDS: dict[str, dict[str, Any]] = {
         ]
     },
     "reasoning_effort": {"reasoning_effort": BIG},
-    # Received by nothing: apply_chat_template's own parameters, decoding fields, extensions.
+    # apply_chat_template's own parameters: vLLM 0.32 drops them, older vLLM let them replace
+    # the tools and documents the template prints (counted, `OLDER_VLLM` below).
     "kwargs_tools_param": {"chat_template_kwargs": {"tools": [{"description": BIG}]}},
     "kwargs_messages_param": {"chat_template_kwargs": {"messages": [{"content": BIG}]}},
+    # Received by nothing: decoding fields, extensions.
     "response_format": {
         "response_format": {
             "type": "json_schema",
@@ -70,13 +74,17 @@ FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+# Rendered by vLLM before its chat_template_kwargs rework (0.11 fleets), not by 0.32.
+OLDER_VLLM = {"kwargs_tools_param", "kwargs_messages_param"}
+
+
 @pytest.mark.parametrize("case", sorted(FIELDS))
 def test_the_estimate_counts_exactly_what_the_template_receives(case: str) -> None:
     body = chat_body(**FIELDS[case])
     msgs, tools, kw = chat_inputs(body)
     received = BIG in repr((msgs, tools, kw))
     # Not the template's, but another vLLM renderer's (Kimi-K3 renders the schema, tool_choice).
-    rendered_elsewhere = BIG in repr([body.get(f) for f in RENDERER_FIELDS])
+    rendered_elsewhere = BIG in repr([body.get(f) for f in RENDERER_FIELDS]) or case in OLDER_VLLM
     est = estimate_prompt_tokens(True, body, 4.0)
     if received or rendered_elsewhere:
         assert est >= BIG_TOKENS, f"{case}: the template gets ~{BIG_TOKENS} tokens, counted {est}"
@@ -159,3 +167,59 @@ def test_an_ascii_prompt_is_estimated_as_before() -> None:
         == 103
     )
     assert estimate_prompt_tokens(False, {"prompt": "a" * 400}, 4.0) == 101
+
+
+# -- templates that print JSON indented (Llama 3.x: `tojson(indent=4)`) ---------------------------
+LLAMA31_TOOLS = (
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+)
+
+
+def _deep_tools(n_tools: int, depth: int = 245) -> dict[str, Any]:
+    nest: list[Any] = []
+    for _ in range(depth):
+        nest = [nest]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"f{i}",
+                "parameters": {"type": "object", "properties": {"a": {"default": nest}}},
+            },
+        }
+        for i in range(n_tools)
+    ]
+    return chat_body(tools=tools)
+
+
+def test_deep_json_is_estimated_at_what_an_indenting_template_renders() -> None:
+    # Review finding: 10 tools nested 245 deep (6 kB of body, under validate's 254 levels) were
+    # estimated at 2,129 tokens and rendered 2.5 MB in 5,060 lines by Llama 3.1's tools loop.
+    body = _deep_tools(10)
+    msgs, tools, kw = chat_inputs(body)
+    text = ChatTemplate({"default": LLAMA31_TOOLS}, {})(msgs, tools, **kw)
+    est = estimate_prompt_tokens(True, body, 4.0)
+    assert est * 4 >= 0.9 * len(text.encode()), (est, len(text))
+    with pytest.raises(APIError):
+        apply_caps(tenant(max_input_tokens=100_000), MODEL, body, est, is_chat=True)
+
+
+def test_token_mode_keys_a_quadratic_render_as_text_instead_of_rendering_it() -> None:
+    # In token mode the gateway renders the template itself, before any quota: a 1 MB body of
+    # such tools was 400 MB of output and 8 s of a held GIL. Now the keyer declines it (the
+    # gateway's text-mode fallback), and ordinary tools still render.
+    keyer = TokenKeyer(lambda s: [0] * len(s), ChatTemplate({"default": LLAMA31_TOOLS}, {}))
+    with pytest.raises(TokenKeyError, match="keyed as text"):
+        keyer.render(_deep_tools(100))
+    assert '"name": "f"' in keyer.render(chat_body(**FIELDS["tools"]))
+
+
+def test_shallow_schemas_are_estimated_as_before() -> None:
+    # Depths real tool schemas reach (objects in objects five deep) pay no indentation charge.
+    nest: Any = {"type": "string"}
+    for _ in range(5):
+        nest = {"type": "object", "properties": {"x": nest}}
+    body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": nest}}]}
+    flat = len(orjson.dumps(body["tools"]))
+    assert estimate_prompt_tokens(True, body, 4.0) <= flat / 4 * 1.6
