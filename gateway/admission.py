@@ -220,7 +220,8 @@ class AdmissionController:
         self._closed: tuple[str, float] | None = None
         self._bypass = not self.settings.enabled  # disabled or closed: one check on the fast path
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0  # when it is due, on the loop's clock
 
     @property
     def enabled(self) -> bool:
@@ -400,11 +401,14 @@ class AdmissionController:
         if loop is None or self._closed is not None:
             return
         delay = self._next_tick()
+        due = loop.time() + delay
         if self._timer is not None:
-            if self._timer.when() - loop.time() <= delay + 1e-3:
+            # Its due time as noted: uvloop's call_later(0) returns a plain Handle (no `when`).
+            if self._timer_at <= due + 1e-3:
                 return
             self._timer.cancel()
         self._timer = loop.call_later(delay, self._tick)
+        self._timer_at = due
 
     def _next_tick(self) -> float:
         delay = self.settings.recheck_s

@@ -846,3 +846,35 @@ async def test_a_short_deadline_queued_behind_a_long_one_ends_at_its_own_deadlin
         for t in (long, short):
             t.cancel()
         await asyncio.gather(long, short, return_exceptions=True)
+
+
+def test_a_waiter_due_within_a_millisecond_does_not_break_the_next_admit_under_uvloop() -> None:
+    # uvloop turns call_later under 0.5 ms into call_soon, a Handle with no `when()`: reading
+    # the timer's due time from it made the next queued admit a 500 (bench spike, 1 in 200).
+    import uvloop
+
+    now = [100.0]
+
+    async def scenario() -> None:
+        adm = AdmissionController(AdmissionSettings(recheck_s=5.0), clock=lambda: now[0])
+
+        def no_room() -> int:
+            return 0
+
+        soon = asyncio.create_task(
+            adm.admit(tenant="a", priority=0.5, deadline_s=0.0002, has_room=no_room)
+        )
+        await asyncio.sleep(0)
+        later = asyncio.create_task(
+            adm.admit(tenant="b", priority=0.5, deadline_s=10.0, has_room=no_room)
+        )
+        await asyncio.sleep(0)
+        try:
+            assert not later.done() or not isinstance(later.exception(), AttributeError)
+            assert adm.queued() >= 1
+        finally:
+            adm.close()
+            await asyncio.gather(soon, later, return_exceptions=True)
+        assert isinstance(later.exception(), APIError)  # refused by the close, not a crash
+
+    uvloop.run(scenario())
