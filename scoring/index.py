@@ -162,6 +162,14 @@ class PrefixIndex:
     def capacity(self, worker: str) -> int:
         return min(self._cap.get(worker, self.default_capacity), self.max_capacity)
 
+    def set_limits(self, default_capacity: int, max_capacity: int) -> None:
+        """New budgets (a config reload): applied to every worker at once, its LRU trimmed and
+        its ``fill`` restated, not at its next record (a worker that gets no traffic kept the old
+        memory, and ``fill`` read against the old budget skewed the kv signal)."""
+        self.default_capacity, self.max_capacity = default_capacity, max_capacity
+        for name, slot in self._slot.items():
+            self._evict_to(slot, self.capacity(name))
+
     def set_capacity(self, worker: str, blocks: int) -> None:
         """Resize a worker's budget; shrinking evicts its least recently used blocks at once."""
         self._cap[worker] = max(0, int(blocks))

@@ -59,7 +59,10 @@ class KVAware(_Learning):
         matches, trusted = state.matches(request, now)
         entry = state.sessions.lookup(request.session_id, now) if request.session_id else None
         last, last_tokens = entry if entry else (None, 0)
-        own_committed = last_tokens  # this session's last turn, counted in its worker's commitment
+        # This session's share of its worker's commitment: its last turn while still active
+        # (after session_active_s it has left the commitment, and subtracting it anyway made the
+        # least committed figure negative, which took every other holder's cache credit).
+        own_committed = state.sessions.active_tokens(request.session_id, last) if last else 0
         committed = state.sessions.committed(now) if self.options.commitment_slack else {}
         if last in trusted:
             # The session's worker publishes events: what it holds of this prompt is known, so

@@ -189,7 +189,11 @@ class PrefixAffinity(_Learning):
                 best, ties = m, [w]
             elif m == best:
                 ties.append(w)
-        pick = self._pick(ties if best else open_)
+        # Both guards may leave nobody (the least loaded worker left out for its commitment,
+        # every other one over the load limit): then the least loaded, as with no guard.
+        pick = self._pick(
+            ties if best else (open_ or [w for w in candidates if load_of(w) == floor])
+        )
         self.state.sync_capacity(pick)
         prompt = request.prompt_tokens or request.matched_tokens(len(request.chain))
         return Decision(
@@ -211,7 +215,8 @@ class PrefixAffinity(_Learning):
         if not committed:
             return committed, None, 0.0
         entry = self.state.sessions.lookup(request.session_id, now) if request.session_id else None
-        home, own = entry if entry else (None, 0)
+        home = entry[0] if entry else None
+        own = self.state.sessions.active_tokens(request.session_id, home) if home else 0
         floor = min(committed.get(w.name, 0) - (own if w.name == home else 0) for w in candidates)
         return committed, home, floor
 

@@ -19,6 +19,10 @@ from typing import Any
 
 __all__ = ["SessionTable"]
 
+# Worker removals remembered for `SessionTable.undo` (far more than can happen between a
+# dispatch and its refusal).
+_REMOVALS_KEPT = 256
+
 
 class SessionTable:
     """LRU map with a TTL; entries stay ordered by last use, so expiry pops from the front."""
@@ -38,6 +42,10 @@ class SessionTable:
         self._committed: dict[str, int] = {}
         self._active: dict[str, tuple[str, float, int]] = {}
         self._noted: deque[tuple[float, str]] = deque()
+        # Workers removed so far (their count is a mark `before` takes), for `undo` not to pin a
+        # session back to one gone since; bounded, the oldest forgotten.
+        self._removed: deque[str] = deque(maxlen=_REMOVALS_KEPT)
+        self._removals = 0
 
     def __len__(self) -> int:
         return len(self._table)
@@ -75,30 +83,47 @@ class SessionTable:
             else:
                 break
 
-    def before(self, session_id: str) -> tuple[Any, Any]:
-        """What ``undo`` needs to take back the ``put`` about to be made for this session."""
-        return self._table.get(session_id), self._active.get(session_id)
+    def before(self, session_id: str, now: float) -> tuple[Any, ...]:
+        """What ``undo`` needs to take back the ``put`` about to be made, at ``now``, for this
+        session."""
+        return self._table.get(session_id), self._active.get(session_id), now, self._removals
 
-    def undo(self, session_id: str, worker: str, before: tuple[Any, Any], now: float) -> None:
+    def undo(self, session_id: str, worker: str, before: tuple[Any, ...], now: float) -> None:
         """Take back a turn that ``worker`` refused (``before`` from just before its ``put``):
         the session is pinned where it was and the refused prompt leaves that worker's
-        commitment. A later turn that moved the session since is left alone."""
-        entry, active = before
+        commitment. A later turn is left alone, to another worker or the same one (found by
+        its time), and so is a pin to a worker removed since (its cache is gone)."""
+        entry, active, put_at, removals = before
         table = self._table
         cur = table.get(session_id)
-        if cur is None or cur[0] != worker:
+        if cur is None or cur[0] != worker or cur[1] != put_at:
             return
-        if entry is None:
+        gone = self._gone_since(removals)
+        if entry is None or entry[0] in gone:
             del table[session_id]
         else:
             table[session_id] = entry
-        old = self._active.pop(session_id, None)
-        if old is not None:
+        old = self._active.get(session_id)
+        if old is not None and old[0] == worker and old[1] == put_at:
+            del self._active[session_id]
             self._uncommit(old[0], old[2])
-        if active is not None and active[1] >= now - self.active_s:
-            # Its note is still queued (it is younger than active_s): it expires as before.
-            self._active[session_id] = active
-            self._add_commit(active[0], active[2])
+            if active is not None and active[1] >= now - self.active_s and active[0] not in gone:
+                # Its note is still queued (it is younger than active_s): it expires as before.
+                self._active[session_id] = active
+                self._add_commit(active[0], active[2])
+
+    def _gone_since(self, mark: int) -> set[str]:
+        n = self._removals - mark
+        if n <= 0:
+            return set()
+        removed = self._removed
+        return set(removed) if n >= len(removed) else set(list(removed)[-n:])
+
+    def active_tokens(self, session_id: str | None, worker: str) -> int:
+        """The session's share of ``worker``'s commitment: its last turn's tokens while that
+        turn, sent there, is active (within ``active_s``); else 0."""
+        e = self._active.get(session_id) if session_id else None
+        return e[2] if e is not None and e[0] == worker else 0
 
     def put_if_newer(self, session_id: str, worker: str, at: float, prompt_tokens: int = 0) -> bool:
         """Another replica's turn, dispatched at ``at`` (this clock, estimated): applied unless the
@@ -120,6 +145,8 @@ class SessionTable:
         for sid in [sid for sid, e in self._active.items() if e[0] == worker]:
             del self._active[sid]
         self._committed.pop(worker, None)
+        self._removed.append(worker)
+        self._removals += 1
         return len(gone)
 
     def committed(self, now: float) -> dict[str, int]:

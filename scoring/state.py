@@ -55,8 +55,7 @@ class RoutingState:
             self._reported.clear()
             self._key = o.key_fields()
         else:
-            self.index.default_capacity = o.default_capacity_blocks
-            self.index.max_capacity = o.max_capacity_blocks
+            self.index.set_limits(o.default_capacity_blocks, o.max_capacity_blocks)
             if o.text_block_tokens != self._text_block_tokens:
                 self._reported.clear()  # capacities are in index blocks: recompute them
         self._text_block_tokens = o.text_block_tokens
@@ -158,7 +157,7 @@ class _Learning:
         before = None
         if request.session_id:
             sessions = state.sessions
-            before = sessions.before(request.session_id)
+            before = sessions.before(request.session_id, now)
             sessions.put(request.session_id, worker_name, now, request.prompt_tokens)
         entry = None
         if state.journal is not None:

@@ -95,13 +95,13 @@ def test_remove_worker_drops_its_commitment() -> None:
 def test_undo_takes_back_a_refused_turn_pin_and_commitment() -> None:
     t = SessionTable(active_s=60.0)
     t.put("s1", "a", 0.0, 1_000)
-    before = t.before("s1")
+    before = t.before("s1", 5.0)
     t.put("s1", "b", 5.0, 90_000)  # a prompt worker b will refuse as too long
     assert t.get("s1", 5.0) == "b" and t.committed(5.0) == {"b": 90_000}
     t.undo("s1", "b", before, 5.1)
     assert t.lookup("s1", 6.0) == ("a", 1_000) and t.committed(6.0) == {"a": 1_000}
     assert t.committed(61.0) == {}  # the restored turn still expires on its own schedule
-    fresh = t.before("s2")  # a session's first turn, refused: it is not pinned anywhere
+    fresh = t.before("s2", 70.0)  # a session's first turn, refused: it is not pinned anywhere
     t.put("s2", "b", 70.0, 500)
     t.undo("s2", "b", fresh, 70.1)
     assert t.get("s2", 71.0) is None and t.committed(71.0) == {}
@@ -109,8 +109,45 @@ def test_undo_takes_back_a_refused_turn_pin_and_commitment() -> None:
 
 def test_undo_leaves_a_later_turn_alone() -> None:
     t = SessionTable()
-    before = t.before("s1")
+    before = t.before("s1", 0.0)
     t.put("s1", "b", 0.0, 5_000)
     t.put("s1", "c", 1.0, 6_000)  # the next turn went elsewhere before the refusal came back
     t.undo("s1", "b", before, 1.5)
     assert t.lookup("s1", 2.0) == ("c", 6_000) and t.committed(2.0) == {"c": 6_000}
+
+
+def test_undo_leaves_a_later_turn_to_the_same_worker_alone() -> None:
+    # Review finding: only the worker was compared, so undoing turn N after turn N+1 went to
+    # the same worker restored the pin from before N (or dropped a first turn's session) and
+    # took N+1's commitment off.
+    t = SessionTable()
+    t.put("s1", "a", 0.0, 1_000)
+    before = t.before("s1", 5.0)
+    t.put("s1", "b", 5.0, 6_000)  # turn N, refused later
+    t.put("s1", "b", 6.0, 7_000)  # turn N+1, same worker, running
+    t.undo("s1", "b", before, 6.5)
+    assert t.lookup("s1", 7.0) == ("b", 7_000) and t.committed(7.0) == {"b": 7_000}
+    first = t.before("s2", 10.0)  # and a session's first two calls, the first refused
+    t.put("s2", "c", 10.0, 500)
+    t.put("s2", "c", 10.5, 600)
+    t.undo("s2", "c", first, 11.0)
+    assert t.get("s2", 11.0) == "c"
+
+
+def test_undo_does_not_pin_back_to_a_worker_removed_since() -> None:
+    # Review finding: the pin and commitment `remove_worker` had dropped came back with undo.
+    t = SessionTable(active_s=60.0)
+    t.put("s1", "a", 0.0, 1_000)
+    before = t.before("s1", 5.0)
+    t.put("s1", "b", 5.0, 2_000)
+    t.remove_worker("a")  # a left (or restarted: its cache is gone)
+    t.undo("s1", "b", before, 6.0)
+    assert t.get("s1", 7.0) is None and t.committed(7.0) == {}
+
+
+def test_active_tokens_is_the_share_still_in_the_commitment() -> None:
+    t = SessionTable(active_s=60.0)
+    t.put("s1", "a", 0.0, 20_000)
+    assert t.active_tokens("s1", "a") == 20_000 and t.active_tokens("s1", "b") == 0
+    t.committed(61.0)  # expired from the commitment, still pinned (ttl 600 s)
+    assert t.get("s1", 61.0) == "a" and t.active_tokens("s1", "a") == 0
