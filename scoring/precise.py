@@ -121,6 +121,9 @@ class PreciseIndex:
         self._e2k: list[dict[Hashable, int]] = []
         self._refs: list[dict[int, int]] = []  # key -> packed refcounts (see _OTHER_SHIFT)
         self._pexp: list[dict[int, float]] = []  # key -> pending expiry
+        # key -> dispatches that noted it and are not done: one done (or refused) dispatch cuts
+        # a key's expiry to settle_s only when no other is still waiting to prefill it.
+        self._pn: list[dict[int, int]] = []
         self._live: list[bool] = []
         self._last: list[float] = []  # time of the last event batch (or of going live)
         self._disp: list[int] = []  # dispatches since then
@@ -143,6 +146,7 @@ class PreciseIndex:
             self._e2k.append({})
             self._refs.append({})
             self._pexp.append({})
+            self._pn.append({})
             self._live.append(False)
             self._last.append(now)
             self._disp.append(0)
@@ -150,6 +154,7 @@ class PreciseIndex:
         self._e2k[slot] = {}
         self._refs[slot] = {}
         self._pexp[slot] = {}
+        self._pn[slot] = {}
         self._live[slot] = False
         self._last[slot] = now
         self._disp[slot] = 0
@@ -192,6 +197,7 @@ class PreciseIndex:
         self._e2k[slot] = {}
         self._refs[slot] = {}
         self._pexp[slot] = {}
+        self._pn[slot] = {}
         self._live[slot] = False
         self._disp[slot] = 0
         self._invalidate()
@@ -378,7 +384,9 @@ class PreciseIndex:
             return
         keep = ~(1 << (2 * slot))
         pend = self._pending
+        pn = self._pn[slot]
         for k in keys:
+            pn.pop(k, None)
             if pexp.pop(k, None) is not None:
                 m = pend[k] & keep
                 if m:
@@ -399,6 +407,7 @@ class PreciseIndex:
                 e = pexp.get(k)
                 if e is not None and e <= now:  # a later dispatch of k may have extended it
                     del pexp[k]
+                    self._pn[slot].pop(k, None)
                     m = pend[k] & keep
                     if m:
                         pend[k] = m
@@ -435,17 +444,22 @@ class PreciseIndex:
         rest = chain[i:]  # a copy: the sweep must see the keys noted, whatever the caller does
         exp = now + self.pending_ttl_s
         pexp = self._pexp[slot]
+        pn = self._pn[slot]
         pend = self._pending
         pget = pend.get
+        nget = pn.get
         for k in rest:
             pexp[k] = exp
             pend[k] = pget(k, 0) | even
+            pn[k] = nget(k, 0) + 1
         self._pseq += 1
         heapq.heappush(self._pq, (exp, self._pseq, slot, rest))
 
     def dispatch_done(self, worker: str, chain: Sequence[int], now: float) -> None:
         """The dispatch of ``chain`` produced its first token (or failed): its prefill's events
-        are out, so what is still pending of it expires ``settle_s`` from now (their delivery)."""
+        are out, so what is still pending of it expires ``settle_s`` from now (their delivery),
+        unless another dispatch of the same key to the same worker still waits to prefill it (a
+        refused call had cut a concurrent one's pending to 1 s, and the prefix looked cold)."""
         slot = self._slot.get(worker)
         if slot is None or not chain:
             return
@@ -453,7 +467,17 @@ class PreciseIndex:
         if not pexp:
             return
         exp = now + self.settle_s
-        moved = [k for k in chain if pexp.get(k, exp) > exp]
+        pn = self._pn[slot]
+        moved = []
+        for k in chain:
+            c = pn.get(k, 0)
+            if c > 1:  # another dispatch of it still waits to prefill: its pending stands
+                pn[k] = c - 1
+                continue
+            if c:
+                del pn[k]
+            if pexp.get(k, exp) > exp:
+                moved.append(k)
         if moved:
             for k in moved:
                 pexp[k] = exp
