@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -820,21 +821,29 @@ async def test_random_traffic_loses_nothing_and_never_oversubscribes(predicate: 
     assert c._granted == 0
 
 
+def _no_room() -> int:
+    return 0
+
+
+async def _queue_two(
+    adm: AdmissionController, first_s: float, second_s: float, gap_s: float
+) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+    """Two waiters for a fleet with no room, deadlines ``first_s`` then ``second_s``."""
+    first = asyncio.create_task(
+        adm.admit(tenant="a", priority=0.5, deadline_s=first_s, has_room=_no_room)
+    )
+    await asyncio.sleep(gap_s)
+    second = asyncio.create_task(
+        adm.admit(tenant="b", priority=0.5, deadline_s=second_s, has_room=_no_room)
+    )
+    return first, second
+
+
 async def test_a_short_deadline_queued_behind_a_long_one_ends_at_its_own_deadline() -> None:
     # Review finding: the recheck timer was armed for the first waiter (min(recheck_s, 20 s) =
     # 5 s) and not moved for a newcomer due sooner, which waited until it fired.
     adm = AdmissionController(AdmissionSettings(recheck_s=5.0, max_deadline_s=30.0))
-
-    def no_room() -> int:
-        return 0
-
-    long = asyncio.create_task(
-        adm.admit(tenant="a", priority=0.5, deadline_s=20.0, has_room=no_room)
-    )
-    await asyncio.sleep(0.01)
-    short = asyncio.create_task(
-        adm.admit(tenant="b", priority=0.5, deadline_s=0.2, has_room=no_room)
-    )
+    long, short = await _queue_two(adm, 20.0, 0.2, 0.01)
     try:
         await asyncio.wait({short}, timeout=2.5)  # well before the 5 s timer, well after 0.2 s
         assert short.done(), "the 0.2 s waiter was still queued: ended only by the 5 s timer"
@@ -843,8 +852,6 @@ async def test_a_short_deadline_queued_behind_a_long_one_ends_at_its_own_deadlin
         assert ei.value.status == 503 and not long.done()
     finally:
         adm.close()
-        for t in (long, short):
-            t.cancel()
         await asyncio.gather(long, short, return_exceptions=True)
 
 
@@ -857,17 +864,7 @@ def test_a_waiter_due_within_a_millisecond_does_not_break_the_next_admit_under_u
 
     async def scenario() -> None:
         adm = AdmissionController(AdmissionSettings(recheck_s=5.0), clock=lambda: now[0])
-
-        def no_room() -> int:
-            return 0
-
-        soon = asyncio.create_task(
-            adm.admit(tenant="a", priority=0.5, deadline_s=0.0002, has_room=no_room)
-        )
-        await asyncio.sleep(0)
-        later = asyncio.create_task(
-            adm.admit(tenant="b", priority=0.5, deadline_s=10.0, has_room=no_room)
-        )
+        soon, later = await _queue_two(adm, 0.0002, 10.0, 0)
         await asyncio.sleep(0)
         try:
             assert not later.done() or not isinstance(later.exception(), AttributeError)
