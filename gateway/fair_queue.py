@@ -197,9 +197,12 @@ class FairQueue:
         # Refused on the estimate only behind others: a newcomer with nobody ahead waits for the
         # next free slot, which no rate learned in an earlier stall predicts (one stall had made
         # an empty queue predict 16 s, refuse every newcomer, and so never learn again).
-        ahead = self._ahead(e.tier, e.tenant, e.weight)
-        rate = self.service_rate() if ahead >= 1 else None
-        if remaining <= 0 or (rate is not None and (ahead + 1) / rate > remaining):
+        late = remaining <= 0
+        rate = self.service_rate()
+        if not late and rate is not None:
+            ahead = self._ahead(e.tier, e.tenant, e.weight)
+            late = ahead >= 1 and (ahead + 1) / rate > remaining
+        if late:
             status = 429 if self._over_share(e.tier, e.tenant, e.weight, 1) else 503
             return self._refuse(e, Reason.DEADLINE, status, now)
         shed: tuple[Entry, ...] = ()
