@@ -382,6 +382,10 @@ class GatewayMetrics:
                 del self._children[key]
             for labels in [k for k in metric._metrics if k[0] == model]:
                 metric.remove(*labels)
+        self._rebuild_deferred()
+
+    def _rebuild_deferred(self) -> None:
+        """The batched children still cached, after some were dropped."""
         self._deferred = [
             c for c in self._children.values() if isinstance(c, (BatchedCounter, BatchedGauge))
         ]
@@ -390,9 +394,7 @@ class GatewayMetrics:
         """Drop a removed worker's series so dashboards do not show ghosts."""
         self.flush()  # what the worker's batched series hold goes in before they are dropped
         self._children = {k: v for k, v in self._children.items() if name not in k[1]}
-        self._deferred = [
-            c for c in self._children.values() if isinstance(c, (BatchedCounter, BatchedGauge))
-        ]
+        self._rebuild_deferred()
         for g in (self.in_flight, self.worker_up):
             with contextlib.suppress(KeyError):
                 g.remove(name)

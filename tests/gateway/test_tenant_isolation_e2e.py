@@ -4,8 +4,10 @@ tenant's session, and a client's `cache_salt` reaches the worker mapped, never a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -61,44 +63,44 @@ async def test_a_prompt_in_documents_meets_max_input_tokens(sims) -> None:  # ty
                 assert "input tokens" in r.json()["error"]["message"]
 
 
-async def test_a_shared_tenant_cannot_reach_an_isolated_tenants_session(sims) -> None:  # type: ignore[no-untyped-def]
+async def chat_as(c: httpx.AsyncClient, url: str, key: str, user: str) -> httpx.Response:
+    """A chat from tenant ``key`` whose session id (``user``) is ``user``."""
+    return await c.post(
+        url + "/v1/chat/completions",
+        json=chat(user=user),
+        headers={"authorization": f"Bearer {key}"},
+    )
+
+
+@contextlib.asynccontextmanager
+async def session_gateway(sims: Any) -> AsyncIterator[tuple[Any, Any, httpx.AsyncClient]]:
+    """A tenant gateway routing by session on two instant sims: (gateway, its session table,
+    a client)."""
     fleet = sims(2, profile="instant")
     async with run_gateway(tenant_settings(fleet.urls, routing={"policy": "session"})) as g:
         await g.wait_healthy(2)
-        sessions = g.gw.policy.state.sessions  # type: ignore[union-attr]
         async with httpx.AsyncClient(timeout=30) as c:
-            r = await c.post(
-                g.url + "/v1/chat/completions",
-                json=chat(user="alice"),
-                headers={"authorization": f"Bearer {KEY_A}"},
-            )
-            assert r.status_code == 200 and len(sessions) == 1
-            for forged in ("tenant:a\x00alice", "1:a\x00alice", "8:tenant:a\x00alice"):
-                r = await c.post(
-                    g.url + "/v1/chat/completions",
-                    json=chat(user=forged),
-                    headers={"authorization": f"Bearer {KEY_B}"},
-                )
-                assert r.status_code == 200, r.text
-        # Each forged id is a session of b's own: tenant a's one session was never touched.
-        assert len(sessions) == 4, "tenant b's forged id landed on tenant a's session"
+            yield g, g.gw.policy.state.sessions, c  # type: ignore[union-attr]
+
+
+async def test_a_shared_tenant_cannot_reach_an_isolated_tenants_session(sims) -> None:  # type: ignore[no-untyped-def]
+    async with session_gateway(sims) as (g, sessions, c):
+        r = await chat_as(c, g.url, KEY_A, "alice")
+        assert r.status_code == 200 and len(sessions) == 1
+        for forged in ("tenant:a\x00alice", "1:a\x00alice", "8:tenant:a\x00alice"):
+            r = await chat_as(c, g.url, KEY_B, forged)
+            assert r.status_code == 200, r.text
+    # Each forged id is a session of b's own: tenant a's one session was never touched.
+    assert len(sessions) == 4, "tenant b's forged id landed on tenant a's session"
 
 
 async def test_two_shared_tenants_sending_one_session_id_get_a_session_each(sims) -> None:  # type: ignore[no-untyped-def]
     # Sharing a prefix namespace is not sharing sessions: b's "alice" is not c's.
-    fleet = sims(2, profile="instant")
-    async with run_gateway(tenant_settings(fleet.urls, routing={"policy": "session"})) as g:
-        await g.wait_healthy(2)
-        sessions = g.gw.policy.state.sessions  # type: ignore[union-attr]
-        async with httpx.AsyncClient(timeout=30) as c:
-            for key in (KEY_B, KEY_C):
-                r = await c.post(
-                    g.url + "/v1/chat/completions",
-                    json=chat(user="alice"),
-                    headers={"authorization": f"Bearer {key}"},
-                )
-                assert r.status_code == 200, r.text
-        assert len(sessions) == 2, "two tenants' sessions were one"
+    async with session_gateway(sims) as (g, sessions, c):
+        for key in (KEY_B, KEY_C):
+            r = await chat_as(c, g.url, key, "alice")
+            assert r.status_code == 200, r.text
+    assert len(sessions) == 2, "two tenants' sessions were one"
 
 
 async def test_a_client_salt_reaches_the_worker_mapped() -> None:
