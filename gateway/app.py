@@ -58,7 +58,14 @@ from gateway.quota_gate import QuotaGate, Ticket
 from gateway.server import HEAD_AT, DisconnectWatch
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
-from gateway.tenancy import Tenant, Tenants, apply_caps, estimate_prompt_tokens, output_tokens
+from gateway.tenancy import (
+    Tenant,
+    Tenants,
+    apply_caps,
+    estimate_prompt_tokens,
+    media_bytes,
+    output_tokens,
+)
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
 from gateway.validate import CHAT, parse_request, read_body, request_headers
@@ -102,6 +109,7 @@ class Gateway:
             on_change=self._on_health_change,
         )
         self.routing_options = RoutingOptions(**settings.routing.options)
+        self._media_bytes = self._media_charge(settings)
         self.precise = precise_index(settings.routing.kv_events)
         self.routing_state = RoutingState(self.routing_options, self.precise)
         self.kv_fleet = KVEventFleet(
@@ -297,6 +305,11 @@ class Gateway:
         if self.probe_client:
             await self.probe_client.aclose()
 
+    def _media_charge(self, settings: Settings) -> dict[str, int]:
+        return media_bytes(
+            settings.tenancy.media_tokens.model_dump(), self.routing_options.chars_per_token
+        )
+
     def apply(self, new: Settings) -> None:
         """Apply a validated config to the running gateway."""
         old = self.settings
@@ -319,6 +332,7 @@ class Gateway:
         r = new.routing
         if r.options != old.routing.options:
             self.routing_options = RoutingOptions(**r.options)
+        self._media_bytes = self._media_charge(new)
         if r.policy != old.routing.policy or r.options != old.routing.options:
             self.policy = self._make_policy(r)  # same RoutingState: the index survives
         elif r.weights != old.routing.weights:
@@ -470,10 +484,14 @@ class Gateway:
                 settings.server.max_body_bytes,
                 settings.timeouts.client_body_s,
             )
-            req = parse_request(path, raw)
+            req = parse_request(
+                path, raw, accept_embeds=tenant.cfg.accept_embeds or not self.tenants.enabled
+            )
             data, model = req.data, req.model
             is_chat = path == CHAT
-            prompt_est = estimate_prompt_tokens(is_chat, data, self.routing_options.chars_per_token)
+            prompt_est = estimate_prompt_tokens(
+                is_chat, data, self.routing_options.chars_per_token, self._media_bytes
+            )
             if self.tenants.enabled:
                 # Output reserved: per-choice limit (capped/injected) x choices x prompts.
                 max_out, changed = apply_caps(tenant, model, data, prompt_est, is_chat=is_chat)

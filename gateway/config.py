@@ -329,6 +329,10 @@ class TenantSettings(_Section):
     on_store_failure: Literal["open", "closed"] = "open"
     # Fraction of cached prompt tokens NOT charged at settlement (0 = charge all, 1 = free).
     cached_token_discount: float = Field(0.0, ge=0, le=1)
+    # Accept tensor inputs (completions `prompt_embeds`, chat `*_embeds` parts; workers need
+    # --enable-prompt-embeds / --enable-mm-embeds): their token count is the tensor's length,
+    # which the gateway cannot see, so `max_input_tokens` and the reservation do not bound them.
+    accept_embeds: bool = False
 
     @field_validator("keys_sha256")
     @classmethod
@@ -339,6 +343,17 @@ class TenantSettings(_Section):
         return [k.lower() for k in v]
 
 
+class MediaTokenSettings(_Section):
+    """Prompt tokens the estimate (`max_input_tokens`, the reservation) charges per media part:
+    vLLM expands each part into model-specific tokens the body does not show. Set them to the
+    served models' largest per-part counts to make the input cap a bound; the settlement charges
+    what the worker reports."""
+
+    image: int = Field(1024, ge=0)
+    audio: int = Field(1500, ge=0)
+    video: int = Field(8192, ge=0)
+
+
 class TenancySettings(_Section):
     # Tenant (from [tenants]) that serves requests without an API key; empty = keys required.
     # With no [tenants] at all, the gateway is open (single-tenant) and this is ignored.
@@ -346,6 +361,8 @@ class TenancySettings(_Section):
     # Secret that cache_salt values are derived from (HMAC per tenant). Set it in production so
     # salts survive key rotation and cannot be derived from anything a client knows.
     cache_salt_secret: str = ""
+    # Prompt tokens the estimate charges per media part of a chat message.
+    media_tokens: MediaTokenSettings = MediaTokenSettings()
 
 
 class QuotaSettings(_Section):

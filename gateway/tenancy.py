@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ from gateway.config import Settings, TenantSettings
 from gateway.errors import APIError, bad_request, model_not_found
 from gateway.quota import ModelLimits, TenantLimits
 from scoring.chat_inputs import rendered_bytes, utf8_len
+
+_NO_MEDIA: Mapping[str, int] = {}
 
 ANONYMOUS = "anonymous"
 
@@ -170,16 +174,29 @@ class Tenants:
         )
 
 
-def estimate_prompt_tokens(path_is_chat: bool, data: dict[str, Any], chars_per_token: float) -> int:
+def media_bytes(media_tokens: Mapping[str, int], chars_per_token: float) -> dict[str, int]:
+    """Per media kind, the bytes of text the estimate charges a part: what `media_tokens` says
+    a part costs, in the unit ``rendered_bytes`` counts in."""
+    return {k: math.ceil(n * chars_per_token) for k, n in media_tokens.items()}
+
+
+def estimate_prompt_tokens(
+    path_is_chat: bool,
+    data: dict[str, Any],
+    chars_per_token: float,
+    media: Mapping[str, int] = _NO_MEDIA,
+) -> int:
     """Cheap upper-ish estimate (no tokenizer), exact for token ids: UTF-8 bytes / chars_per_token,
     as the route key (``scoring.prefix.text_key``) sizes a prompt; counting characters let 8,000
     CJK characters (24 kB, ~8k+ tokens) past a 2,000-token `max_input_tokens`.
 
     A chat counts every field its template receives (``scoring.chat_inputs.rendered_bytes``, from
-    the one list of rendered fields token mode's route key also builds on), media left out.
+    the one list of rendered fields token mode's route key also builds on), and each media part
+    what `media` (``media_bytes``) charges its kind: counted as nothing, 50 images passed a
+    2,000-token cap on a vision model that expands each into ~1,000 tokens.
     """
     if path_is_chat:
-        return int(rendered_bytes(data) / chars_per_token) + 1
+        return int(rendered_bytes(data, media) / chars_per_token) + 1
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         return int(utf8_len(prompt) / chars_per_token) + 1

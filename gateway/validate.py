@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
 from gateway.errors import APIError, bad_request
+from scoring.chat_inputs import EMBEDS_PARTS, part_type
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -200,7 +201,7 @@ def _invalid_type(param: str, expected: str, got: Any) -> APIError:
     )
 
 
-def _check_messages(msgs: Any) -> None:
+def _check_messages(msgs: Any, accept_embeds: bool) -> None:
     """Each message: a known role, content of a shape a chat template can render, tool calls a
     list of objects. Runs on every chat request, so the usual message (a role and string content,
     nothing else) costs three lookups; anything else gets the full check."""
@@ -215,10 +216,10 @@ def _check_messages(msgs: Any) -> None:
             and role in ROLES
         ):
             continue
-        _check_message(i, m)
+        _check_message(i, m, accept_embeds)
 
 
-def _check_message(i: int, m: Any) -> None:
+def _check_message(i: int, m: Any, accept_embeds: bool) -> None:
     if not isinstance(m, dict):
         raise _invalid_type(f"messages[{i}]", "an object", m)
     role = m.get("role")
@@ -255,6 +256,8 @@ def _check_message(i: int, m: Any) -> None:
                 raise _invalid_type(
                     f"messages[{i}].content[{j}].text", "a string", part.get("text")
                 )
+            if not accept_embeds and (kind := part_type(part)) in EMBEDS_PARTS:
+                raise _embeds_refused(f"messages[{i}].content[{j}]", f"`{kind}` parts")
     elif not isinstance(content, str):
         raise _invalid_type(
             f"messages[{i}].content", "one of a string or array of objects", content
@@ -267,6 +270,15 @@ def _check_message(i: int, m: Any) -> None:
     name = m.get("name")
     if name is not None and not isinstance(name, str):
         raise _invalid_type(f"messages[{i}].name", "a string", name)
+
+
+def _embeds_refused(param: str, what: str) -> APIError:
+    # The tensor's length is its token count, which no estimate of the body sees: accepted, it
+    # would pass any `max_input_tokens` and reservation (and vLLM deserialises it with torch).
+    return bad_request(
+        f"{what} are not accepted: embeddings cannot be counted against this key's token limits.",
+        param,
+    )
 
 
 def _check_tools(tools: Any) -> None:
@@ -409,8 +421,9 @@ def _check_sampling(data: dict[str, Any], chat: bool) -> None:
             check(key, v, data, chat)
 
 
-def parse_request(path: str, raw: bytes) -> ParsedRequest:
-    """Parse once and check the body for `path`; raises the OpenAI 400 envelope (as APIError)."""
+def parse_request(path: str, raw: bytes, *, accept_embeds: bool = False) -> ParsedRequest:
+    """Parse once and check the body for `path`; raises the OpenAI 400 envelope (as APIError).
+    Tensor inputs (`prompt_embeds`, chat `*_embeds` parts) only where `accept_embeds`."""
     if not raw:
         raise bad_request("Request body is empty; expected a JSON object")
     try:
@@ -429,7 +442,7 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request("`model` must be a non-empty string", "model")
     chat = path == CHAT
     if chat:
-        _check_messages(data.get("messages"))
+        _check_messages(data.get("messages"), accept_embeds)
         _check_tools(data.get("tools"))
     elif not _check_prompt(data.get("prompt")):
         raise bad_request(
@@ -437,6 +450,8 @@ def parse_request(path: str, raw: bytes) -> ParsedRequest:
             "token ids",
             "prompt",
         )
+    if not accept_embeds and data.get("prompt_embeds") is not None:
+        raise _embeds_refused("prompt_embeds", "`prompt_embeds`")
     stream = data.get("stream", False)
     if stream is None:
         stream = False

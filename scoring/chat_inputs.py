@@ -18,6 +18,7 @@ from typing import Any, Literal
 import xxhash
 
 __all__ = [
+    "EMBEDS_PARTS",
     "RENDERED_FIELDS",
     "RENDERER_FIELDS",
     "REQUEST_TEMPLATE_VARS",
@@ -25,6 +26,7 @@ __all__ = [
     "TokenKeyError",
     "body_bytes",
     "chat_inputs",
+    "part_type",
     "rendered_bytes",
     "utf8_len",
 ]
@@ -49,7 +51,25 @@ _MEDIA_KINDS = {
     "audio_embeds": "audio",
     "video_url": "video",
     "video_embeds": "video",
+    "prompt_embeds": "embeds",
 }
+# vLLM's MM_PARSER_MAP keys a part without a `type` (or with a `uuid`) is recognised by, in its
+# order: `{"image_url": ...}` is an image whatever else it holds.
+_KEYED_PARTS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+# Content parts that carry tensors rather than text or media (vLLM's `--enable-prompt-embeds` /
+# `--enable-mm-embeds`): their token count is the tensor's length, which no estimate of the body
+# sees, so the gateway refuses them unless told otherwise (`tenancy.accept_embeds`).
+EMBEDS_PARTS = frozenset({"image_embeds", "audio_embeds", "video_embeds", "prompt_embeds"})
 # apply_chat_template's own parameters: a request's chat_template_kwargs naming them never reaches
 # the template as a variable.
 _NOT_TEMPLATE_VARS = frozenset(
@@ -114,6 +134,19 @@ def _media_placeholder(kind: str, part: Mapping[str, Any]) -> str:
     return f"<|{kind}:{xxhash.xxh3_64_hexdigest(payload.encode('utf-8', 'surrogatepass'))}|>"
 
 
+def part_type(part: Mapping[str, Any]) -> str | None:
+    """The part type vLLM parses a content part as (`_parse_chat_message_content_mm_part`): its
+    `type`, unless that is missing or the part has a `uuid`, when the first media key present
+    decides; None where vLLM finds neither (it refuses the part)."""
+    kind = part.get("type")
+    if kind is not None and part.get("uuid") is None:
+        return kind if type(kind) is str else None
+    for key in _KEYED_PARTS:
+        if key in part:
+            return key
+    return None
+
+
 def _parts(content: Any) -> list[str | dict[str, Any]]:
     """Content as vLLM's list of parts: text parts as strings, media parts as small dicts."""
     if content is None:
@@ -132,7 +165,7 @@ def _parts(content: Any) -> list[str | dict[str, Any]]:
         if not isinstance(part, Mapping):
             out.append(str(part))
             continue
-        kind = str(part.get("type", "text"))
+        kind = part_type(part) or "text"
         key = _TEXT_PART_KEYS.get(kind)
         if key is not None:
             text = part.get(key)
@@ -376,11 +409,12 @@ def body_bytes(body: Mapping[str, Any]) -> int:
     return _json_bytes(body, _NEVER_DEEP)
 
 
-def _content_bytes(content: Any) -> int:
-    """A message's ``content`` as ``_parts`` renders it: text parts' text, media parts nothing (an
-    image's base64 is not its token count, which vLLM adds apart and this estimate does not know).
-    Only content *parts* are media: a ``file`` key elsewhere (tool-call arguments, documents) is
-    text the template renders."""
+def _content_bytes(content: Any, media: Mapping[str, int]) -> int:
+    """A message's ``content`` as ``_parts`` renders it: text parts' text, each media part what
+    `media` charges its kind (an image's base64 is not its token count: vLLM expands a part into
+    model-specific tokens apart from the text, so the operator states what one part may cost),
+    and any other part type its JSON. Only content *parts* are media: a ``file`` key elsewhere
+    (tool-call arguments, documents) is text the template renders."""
     if type(content) is str:
         return utf8_len(content)
     if content is None:
@@ -394,18 +428,22 @@ def _content_bytes(content: Any) -> int:
         if type(part) is str:
             n += utf8_len(part)
         elif type(part) is dict:
-            kind = part.get("type", "text")
-            key = _TEXT_PART_KEYS.get(kind) if type(kind) is str else None
+            kind = part_type(part) or "text"
+            key = _TEXT_PART_KEYS.get(kind)
             if key is not None:
                 text = part.get(key)
                 if text is not None:
                     n += utf8_len(text) if type(text) is str else _json_bytes(text)
+            elif (mk := _MEDIA_KINDS.get(kind)) is not None:
+                n += media.get(mk, 0)
+            else:
+                n += _json_bytes(part)
         else:
             n += _json_bytes(part)
     return n
 
 
-def _messages_bytes(msgs: Any) -> int:
+def _messages_bytes(msgs: Any, media: Mapping[str, int]) -> int:
     if type(msgs) is not list:
         return _json_bytes(msgs)
     n = 8 * len(msgs)  # role markers of the chat template
@@ -418,7 +456,7 @@ def _messages_bytes(msgs: Any) -> int:
             n += len(c) if c.isascii() else utf8_len(c)
             continue
         for k, x in m.items():
-            n += _content_bytes(x) if k == "content" else _json_bytes(x)
+            n += _content_bytes(x, media) if k == "content" else _json_bytes(x)
     return n
 
 
@@ -436,16 +474,17 @@ def _template_kwargs_bytes(kw: Any) -> int:
 # those; the JSON it holds unless it has its own rule.
 _FIELD_BYTES: dict[str, Callable[[Any], int]] = {
     **dict.fromkeys((*RENDERED_FIELDS, *RENDERER_FIELDS), _json_bytes),
-    "messages": _messages_bytes,
     "chat_template_kwargs": _template_kwargs_bytes,
 }
+_NO_MEDIA: Mapping[str, int] = {}
 
 
-def rendered_bytes(body: Mapping[str, Any]) -> int:
+def rendered_bytes(body: Mapping[str, Any], media: Mapping[str, int] = _NO_MEDIA) -> int:
     """About the UTF-8 bytes of everything a chat request's template receives (``RENDERED_FIELDS``),
     and what vLLM's other renderers add (``RENDERER_FIELDS``): message text and fields, tools,
-    documents, template kwargs, a `response_format` schema; media parts and the template's own
-    text (but 8 bytes of role markers a message) left out. One walk of the parsed body, no
+    documents, template kwargs, a `response_format` schema, and `media[kind]` bytes for each
+    image, audio or video part; the template's own text (but 8 bytes of role markers a message)
+    left out. One walk of the parsed body, no
     serialisation: the gateway runs it on every chat request for its input cap and reservation,
     so it goes over the body's own keys (a handful) rather than looking up each rendered field.
 
@@ -460,5 +499,5 @@ def rendered_bytes(body: Mapping[str, Any]) -> int:
         size = sizes.get(k)
         # None: unset (vLLM's default); a bool is a switch (add_generation_prompt): no text.
         if size is not None and v is not None and v is not True and v is not False:
-            n += size(v)
+            n += _messages_bytes(v, media) if k == "messages" else size(v)
     return n

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from gateway.config import (
     ConfigError,
     KVEventSettings,
+    MediaTokenSettings,
     Settings,
     TenantSettings,
     TokenModeSettings,
@@ -36,12 +37,21 @@ def test_example_config_is_valid_and_complete() -> None:
     sections["routing.token_mode"] = TokenModeSettings
     sections["routing.kv_events"] = KVEventSettings
     sections["tenants.team-a"] = TenantSettings
+    sections["tenancy.media_tokens"] = MediaTokenSettings
     sections["[workers"] = WorkerSettings
     for section, model in sections.items():
         assert f"[{section}]" in text, section
         body = text.split(f"[{section}]", 1)[1]
         for key in model.model_fields:
-            if key in ("splits", "options", "weights", "model_limits", "token_mode", "kv_events"):
+            if key in (
+                "splits",
+                "options",
+                "weights",
+                "model_limits",
+                "token_mode",
+                "kv_events",
+                "media_tokens",
+            ):
                 continue  # sub-tables, checked on their own
             if key in ("api_key", "kv_events_replay", "kv_events_topic", "max_concurrency"):
                 assert f"# {key}" in text, (

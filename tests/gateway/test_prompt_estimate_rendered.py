@@ -19,7 +19,7 @@ import pytest
 from gateway.config import TenantSettings
 from gateway.errors import APIError
 from gateway.quota import TenantLimits
-from gateway.tenancy import Tenant, apply_caps, estimate_prompt_tokens
+from gateway.tenancy import Tenant, apply_caps, estimate_prompt_tokens, media_bytes
 from gateway.tokenizers import ChatTemplate
 from gateway.validate import parse_request
 from scoring.chat_inputs import RENDERER_FIELDS, chat_inputs
@@ -119,18 +119,53 @@ def test_tool_call_arguments_given_as_an_object_count_whatever_their_keys() -> N
     assert estimate_prompt_tokens(True, {"messages": msgs}, 4.0) >= BIG_TOKENS
 
 
+MEDIA = {"image": 1000, "audio": 1500, "video": 8000}
+MEDIA_BYTES = media_bytes(MEDIA, 4.0)
+
+
 @pytest.mark.parametrize(
-    "part",
+    ("part", "kind"),
     [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 200_000}},
-        {"type": "input_audio", "input_audio": {"data": "A" * 200_000, "format": "wav"}},
-        {"type": "file", "file": {"file_data": "A" * 200_000, "filename": "x.pdf"}},
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 200_000}},
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 200_000}},
+            "image",
+        ),
+        ({"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}, "image"),
+        ({"type": "input_image", "image_url": "https://example.invalid/a.png"}, "image"),
+        ({"type": "input_audio", "input_audio": {"data": "A" * 200_000, "format": "wav"}}, "audio"),
+        ({"type": "audio_url", "audio_url": {"url": "https://example.invalid/a.wav"}}, "audio"),
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 200_000}},
+            "video",
+        ),
+        # vLLM parses a part with a `uuid` by its media key, whatever its `type` says.
+        ({"type": "text", "uuid": "u1", "image_url": {"url": "x"}}, "image"),
     ],
 )
-def test_media_parts_stay_uncounted(part: dict[str, Any]) -> None:
+def test_a_media_part_costs_what_its_kind_is_set_to(part: dict[str, Any], kind: str) -> None:
     msg = {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}
-    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0) < 20
+    est = estimate_prompt_tokens(True, {"messages": [msg]}, 4.0, MEDIA_BYTES)
+    assert MEDIA[kind] <= est < MEDIA[kind] + 20
+
+
+def test_images_no_longer_pass_an_input_cap_as_nothing() -> None:
+    # Token review finding: media counted 0 tokens, so 50 images (~50k tokens on a vision model)
+    # passed a 2,000-token max_input_tokens as the few tokens of their question.
+    image = {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}
+    msg = {"role": "user", "content": [{"type": "text", "text": "compare these"}, *[image] * 50]}
+    body = chat_body(messages=[msg])
+    est = estimate_prompt_tokens(True, body, 4.0, MEDIA_BYTES)
+    assert est >= 50 * MEDIA["image"]
+    with pytest.raises(APIError) as e:
+        apply_caps(tenant(max_input_tokens=2000), MODEL, body, est, is_chat=True)
+    assert e.value.status == 400
+    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0) < 20  # none set: uncharged
+
+
+def test_a_part_type_vllm_does_not_parse_is_counted_as_its_json() -> None:
+    part = {"type": "file", "file": {"file_data": "A" * 200_000, "filename": "x.pdf"}}
+    msg = {"role": "user", "content": [part]}
+    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0, MEDIA_BYTES) >= 50_000
 
 
 # -- UTF-8 bytes, as the route key -----------------------------------------------------------------
