@@ -280,6 +280,7 @@ class AdmissionController:
             now + deadline_s,
             cost,
             payload=(fut, has_room),
+            priority=priority,
         )
         pushed = p.queue.push(e, now)
         for v in pushed.shed:
@@ -489,8 +490,14 @@ class AdmissionController:
         )
 
     def configure(self, settings: AdmissionSettings) -> None:
-        """Apply reloaded settings: bounds hold for new pushes; disabling releases every waiter."""
+        """Apply reloaded settings: bounds hold for new pushes; disabling releases every waiter;
+        new priority levels move every waiter to its tier on the new scale."""
+        levels = self.settings.priority_levels
         self.settings = settings
+
+        def retier(e: Entry) -> int:
+            return tier_of(e.priority, settings.priority_levels)
+
         self._bypass = not settings.enabled or self._closed is not None
         for p in self._pools.values():
             q = p.queue
@@ -500,6 +507,9 @@ class AdmissionController:
             q.fallback_retry_after_s = settings.fallback_retry_after_s
             q.max_retry_after_s = settings.max_retry_after_s
             q._rate.half_life = settings.rate_half_life_s
+            if settings.priority_levels != levels and q._size:
+                q.retier(retier, self._clock())
+                p.tiers.update(q.depth_by_tier())
             if not settings.enabled:
                 now = self._clock()
                 while (e := q.peek()) is not None:

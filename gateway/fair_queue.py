@@ -31,6 +31,7 @@ import enum
 import heapq
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -90,6 +91,7 @@ class Entry:
     deadline: float  # absolute, on the caller's clock
     cost: float = 1.0  # virtual service it consumes in fair queueing
     payload: Any = None  # the shell's waiter; the core never looks at it
+    priority: float = 0.0  # what `tier` was computed from, for a reload that rescales tiers
     seq: int = -1
     enqueued_at: float = 0.0
     state: State = State.NEW
@@ -325,6 +327,22 @@ class FairQueue:
             self._leave(e, State.CLOSED, now, None, 0)
             e.rejection = Rejection(Reason.CLOSED, 503, retry_after_s)
         return out
+
+    def retier(self, tier_of_entry: Callable[[Entry], int], now: float) -> None:
+        """A reload changed how priorities map to tiers: every waiter moves to its tier on the
+        new scale, in arrival order, keeping its deadline and time queued. Left on the old
+        scale, tiers compare as raw numbers: after 10 -> 100 levels a 0.1 newcomer (tier 10)
+        went before a 0.9 request already waiting (tier 9), for as long as waiters live."""
+        queued = sorted(
+            (e for t in self._tiers.values() for f in t.flows.values() for e in f.q.values()),
+            key=lambda e: e.seq,
+        )
+        busy = self._busy_since
+        self._tiers, self._per_tenant, self._deadlines, self._size = {}, {}, [], 0
+        for e in queued:
+            e.tier = tier_of_entry(e)
+            self._enqueue(e, now)
+        self._busy_since = busy
 
     def top_tier(self) -> int:
         """The highest tier with a waiter (-1 when empty): the next one served."""

@@ -760,6 +760,46 @@ async def test_disabling_live_releases_every_waiter() -> None:
     assert not (await c.admit(tenant="t", priority=0.5, has_room=lambda: False)).queued
 
 
+async def test_a_reload_of_priority_levels_keeps_queued_waiters_in_priority_order() -> None:
+    # Review finding: queued waiters kept tiers on the old scale; after 10 -> 100 levels a
+    # priority-0.1 newcomer (tier 10) was served before a 0.9 request waiting since (tier 9).
+    c = ctl(recheck_s=10.0, priority_levels=10)
+    room = [0]
+    order: list[str] = []
+
+    async def request(name: str, priority: float) -> None:
+        await c.admit(tenant=name, priority=priority, deadline_s=5.0, has_room=lambda: room[0])
+        room[0] -= 1
+        order.append(name)
+
+    high = asyncio.create_task(request("high", 0.9))
+    mid = asyncio.create_task(request("mid", 0.5))
+    await settle()
+    assert c.depth_by_tier() == {9: 1, 5: 1}
+    c.configure(AdmissionSettings(recheck_s=10.0, priority_levels=100))
+    low = asyncio.create_task(request("low", 0.1))
+    await settle()
+    assert c.depth_by_tier() == {90: 1, 50: 1, 10: 1, 9: 0, 5: 0}
+    room[0] = 3
+    c.kick()
+    await asyncio.wait_for(asyncio.gather(high, mid, low), 5)
+    assert order == ["high", "mid", "low"]
+    c.close()
+
+
+def test_retier_keeps_arrival_order_deadlines_and_time_queued() -> None:
+    q = fq()
+    a = push(q, "a", tier=5, deadline=50.0)
+    b = push(q, "b", tier=5, deadline=20.0, now=1.0)
+    a.priority, b.priority = 0.5, 0.5
+    q.retier(lambda e: 50, now=3.0)
+    assert q.depth_by_tier() == {50: 2} and len(q) == 2
+    assert [e.tenant for e in q.expire(25.0)] == ["b"]  # its own deadline, still on the heap
+    e = q.pop(30.0)
+    assert e is a and e.wait_s == 30.0  # queued since 0, not since the reload
+    assert len(q) == 0
+
+
 async def test_pools_do_not_block_each_other() -> None:
     c = ctl(recheck_s=10.0)
     busy = asyncio.create_task(c.admit(tenant="t", priority=1.0, has_room=lambda: False, pool="a"))
