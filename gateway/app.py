@@ -311,8 +311,14 @@ class Gateway:
         )
 
     def apply(self, new: Settings) -> None:
-        """Apply a validated config to the running gateway."""
+        """Apply a validated config to the running gateway, whole or not at all: what can fail
+        (loading tokenizers) runs before anything changes, and raises to the caller (the
+        watcher then keeps the running config and counts a rejected reload)."""
         old = self.settings
+        r = new.routing
+        keyers = None
+        if r.token_mode != old.routing.token_mode:
+            keyers = load_keyers(r.token_mode)  # a tokenizer.json that does not load: rejected
         for section in ("server", "upstream"):
             if getattr(old, section) != getattr(new, section):
                 log.warning("[%s] changed: takes effect after a restart", section)
@@ -323,13 +329,22 @@ class Gateway:
         if new.cluster != old.cluster:
             if any(
                 getattr(old.cluster, k) != getattr(new.cluster, k)
-                for k in ("enabled", "redis_url", "key_prefix")
+                for k in ("enabled", "redis_url", "key_prefix", "share_learned")
             ):
-                log.warning("[cluster] enabled/redis_url/key_prefix: take effect after a restart")
+                log.warning(
+                    "[cluster] enabled/redis_url/key_prefix/share_learned: take effect after a "
+                    "restart"
+                )
             if self.cluster is not None:
                 self.cluster.configure(new.cluster)  # interval, expiry, timeout: live
+        if new.timeouts.connect_s != old.timeouts.connect_s:
+            if self.prober is not None:
+                self.prober.connect_s = new.timeouts.connect_s
+            if hasattr(self.upstream, "connect_s"):
+                self.upstream.connect_s = new.timeouts.connect_s
+            else:
+                log.warning("[timeouts] connect_s: takes effect for workers after a restart")
         self.settings = new
-        r = new.routing
         if r.options != old.routing.options:
             self.routing_options = RoutingOptions(**r.options)
         self._media_bytes = self._media_charge(new)
@@ -343,11 +358,8 @@ class Gateway:
             p_.offload_weight, p_.pending_ttl_s = k.offload_weight, k.pending_ttl_s
             p_.settle_s = k.settle_s
             p_.stale_after_s, p_.stale_after_dispatches = k.stale_after_s, k.stale_after_dispatches
-        if r.token_mode != old.routing.token_mode:
-            try:
-                self.token_keyers = load_keyers(r.token_mode)
-            except Exception:
-                log.exception("[routing.token_mode] not applied: keeping the loaded tokenizers")
+        if keyers is not None:
+            self.token_keyers = keyers
         self.tenants = Tenants(new)
         self.life.log_requests = new.logging.requests
         self.slots.configure(new.admission, self.routing_options, self.tenants.top_priority)
@@ -360,16 +372,34 @@ class Gateway:
             self.prober.interval_s, self.prober.timeout_s = p.interval_s, p.timeout_s
             self.prober.deep_every, self.prober.deep_timeout_s = p.deep_every, p.deep_timeout_s
             self.prober.deep_model = p.deep_model
-        self.sync_workers([worker_spec(w) for w in new.workers])
+        if new.workers != old.workers:
+            self._sync_file_workers(old, new)
         setup_logging(new.logging.level, new.logging.format)
         self.metrics.config_reloads.inc()
+
+    def _sync_file_workers(self, old: Settings, new: Settings) -> None:
+        """The file's [[workers]] changed: the fleet becomes its list. Only then: a reload of
+        anything else (a routing weight) used to reset the fleet to the file too, dropping
+        workers added through /admin/workers and bringing back ones removed there. Admin
+        changes that this one replaces are named in the log."""
+        listed = {w.name for w in old.workers}
+        now = set(self.registry.workers)
+        added, removed = sorted(now - listed), sorted(listed - now)
+        if added or removed:
+            log.warning(
+                "[[workers]] changed in the file, which now sets the fleet: replaces the "
+                "/admin/workers changes since the last load (added %s, removed %s)",
+                added,
+                removed,
+            )
+        self.sync_workers([worker_spec(w) for w in new.workers])
 
     def sync_workers(self, specs: list[WorkerSpec]) -> None:
         before = dict(self.registry.workers)
         added, removed = self.registry.sync(specs)
         for name in removed:
             self.metrics.forget_worker(name, [h.value for h in Health])
-            self.policy.on_worker_removed(name)
+            self._forget_routing(name)
             self._started.pop(name, None)
             old = before.get(name)
             if old is not None and old.in_flight > 0:
@@ -382,6 +412,14 @@ class Gateway:
             self.prober.sync()
             # Started gateways only: start() subscribes the initial fleet itself.
             self._schedule_kv_sync()
+
+    def _forget_routing(self, name: str) -> None:
+        """What routing learned of a worker that left (or restarted: its cache is gone). The
+        shared state, not only the policy's hook: a stateless policy's hook does nothing, and
+        the index and session pins it leaves survive a switch back to kv_aware, crediting a
+        cold server under the old name with the old one's cache."""
+        self.routing_state.forget_worker(name)
+        self.policy.on_worker_removed(name)
 
     def _forget_models(self) -> None:
         """Admission pools and series of models no worker in the fleet lists any more."""
@@ -436,7 +474,7 @@ class Gateway:
                 # A new process at the same address: its prefix cache is empty, so what routing
                 # learned of it (index, session pins) would send prefixes to a cold worker.
                 log.info("worker %s restarted: routing forgets what it held", w.name)
-                self.policy.on_worker_removed(w.name)
+                self._forget_routing(w.name)
         if w.spec.kv_events:
             self.kv_fleet.note_probe(w.name, w.health is Health.HEALTHY, w.metrics.process_start)
             if w.models and not self.kv_fleet.subscribed(w.name):

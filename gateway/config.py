@@ -33,6 +33,12 @@ from scoring.views import Weights
 _T = TypeVar("_T")
 
 
+def _sha256_hex(v: str, what: str) -> str:
+    if len(v) != 64 or any(c not in "0123456789abcdefABCDEF" for c in v):
+        raise ValueError(f"{what} must be 64 hex digits (sha256 of the key)")
+    return v.lower()
+
+
 class _Section(BaseModel):
     # No inf or nan anywhere (TOML has both): `queue_weight = inf` passed `gt=0` and turned
     # every queued request of that tenant into a 500.
@@ -91,6 +97,13 @@ class AdminSettings(_Section):
     # /metrics answers only with the admin key (Prometheus: `authorization` with a bearer
     # credential): its labels name tenants, workers and models.
     metrics_require_key: bool = False
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digest(cls, v: str) -> str:
+        # A key pasted in place of its digest would lock the operator out of every admin
+        # endpoint (and a non-ASCII one made each a 500): refused when loaded instead.
+        return _sha256_hex(v, "admin.key_sha256") if v else v
 
 
 class WorkerSettings(_Section):
@@ -337,10 +350,7 @@ class TenantSettings(_Section):
     @field_validator("keys_sha256")
     @classmethod
     def _hex_digests(cls, v: list[str]) -> list[str]:
-        for k in v:
-            if len(k) != 64 or any(c not in "0123456789abcdefABCDEF" for c in k):
-                raise ValueError("keys_sha256 entries must be 64 hex digits (sha256 of the key)")
-        return [k.lower() for k in v]
+        return [_sha256_hex(k, "keys_sha256 entries") for k in v]
 
 
 class MediaTokenSettings(_Section):

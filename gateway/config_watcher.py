@@ -74,9 +74,16 @@ class ConfigWatcher:
             self._on_error(str(e))
             return False
         if new != self.current:
+            try:
+                self._on_change(new)
+            except Exception as e:
+                # Rejected whole (Gateway.apply does its fallible part first), and not taken
+                # as current: the same file, fixed in place (a tokenizer), loads next time.
+                log.exception("config reload rejected, keeping the running config")
+                self._on_error(str(e))
+                return False
             self.current = new
             log.info("config reloaded from %s", self.path)
-            self._on_change(new)
         return True
 
     def _load(self) -> Settings:

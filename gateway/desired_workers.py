@@ -258,9 +258,14 @@ class DesiredWorkers:
         self._models: dict[str, _ModelState] = {}
 
     def configure(self, settings: AutoscaleSettings) -> None:
-        """Reloaded settings apply at the next evaluation; windows keep their samples."""
+        """Reloaded settings apply at the next evaluation; windows keep their samples, unless
+        their slot width changed (the samples are bucketed by it: those windows start over)."""
+        reslot = settings.slot_s != self.settings.slot_s
         self.settings = settings
         for st in self._models.values():
+            if reslot:
+                st.ttft = WindowQuantile(settings.window_s, settings.slot_s)
+                st.wait = WindowQuantile(settings.window_s, settings.slot_s)
             for w in (st.ttft, st.wait):
                 w.window_s = settings.window_s
 

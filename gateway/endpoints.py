@@ -105,7 +105,7 @@ class Endpoints:
         auth = request.headers.get("authorization", "")
         key = auth[7:] if auth[:7].lower() == "bearer " else ""
         got = hashlib.sha256(key.encode()).hexdigest()
-        if not key or not hmac.compare_digest(got, want.lower()):
+        if not key or not hmac.compare_digest(got.encode(), want.lower().encode()):
             raise APIError(401, "invalid admin key", "authentication_error", code="invalid_api_key")
 
     async def admin_workers(self, request: Request) -> Response:

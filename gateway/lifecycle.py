@@ -108,7 +108,8 @@ class Lifecycle:
         """The attempt on ``worker`` is over (ended, failed or handed back): its slot is free."""
         self.prefill_done(worker, call)
         worker.released()
-        self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
+        if self._current(worker):  # a removed record must not bring its series back
+            self.metrics.child(self.metrics.in_flight, worker.name).set(worker.in_flight)
         models = worker.models
         # A base model and its adapters: any of their queues may take it, the highest tier first.
         self.admission.kick(models if len(models) > 1 else call.model)

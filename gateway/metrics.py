@@ -395,7 +395,13 @@ class GatewayMetrics:
         self.flush()  # what the worker's batched series hold goes in before they are dropped
         self._children = {k: v for k, v in self._children.items() if name not in k[1]}
         self._rebuild_deferred()
-        for g in (self.in_flight, self.worker_up):
+        for g in (
+            self.in_flight,
+            self.worker_up,
+            self.queue_delay,
+            self.probe_seconds,
+            self.probe_failures,
+        ):
             with contextlib.suppress(KeyError):
                 g.remove(name)
         for s in states:

@@ -78,7 +78,7 @@ class Prober:
         # builds it as min(connect_s, timeout_s)): still the connect bound after a reload changes
         # timeout_s, which the client's own timeout never learns.
         connect = client.timeout.connect
-        self._connect_s = connect if connect is not None and connect < timeout_s else None
+        self.connect_s = connect if connect is not None and connect < timeout_s else None
         # Per worker: the last unexpected probe exception logged, so a worker that keeps
         # raising the same one logs its traceback once, not once per interval.
         self._raised: dict[str, str] = {}
@@ -156,7 +156,7 @@ class Prober:
         `asyncio.timeout`: the client keeps the timeout it was built with, and a longer reloaded
         one would otherwise still time out at the old value."""
         t = self.timeout_s
-        return httpx.Timeout(t, connect=t if self._connect_s is None else min(self._connect_s, t))
+        return httpx.Timeout(t, connect=t if self.connect_s is None else min(self.connect_s, t))
 
     async def probe_once(self, name: str) -> bool:
         w = self.registry.workers.get(name)
