@@ -20,7 +20,7 @@ import random
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -89,6 +89,12 @@ _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection f
 _SHUTTING_DOWN = "This gateway replica is shutting down; retry (another replica will answer)."
 
 
+def _shutting_down() -> APIError:
+    return APIError(
+        503, _SHUTTING_DOWN, "service_unavailable", code="shutting_down", retry_after_s=1.0
+    )
+
+
 def _base_model(w: Worker) -> str | None:
     """The model a worker's unsalted, non-LoRA KV blocks belong to (LoRA cards have a parent)."""
     base = sorted(m for m, card in w.model_cards.items() if not card.get("parent"))
@@ -122,6 +128,9 @@ class Gateway:
         self._started: dict[str, float] = {}  # worker -> its process's start time, last probe
         # Worker records a reload removed (or replaced: a new URL) while requests ran on them.
         self._retired: list[Worker] = []
+        # Walks not yet handed to admission and a worker, and those a drain's grace cut.
+        self._walks: set[asyncio.Task[Any] | None] = set()
+        self._walks_cut: set[asyncio.Task[Any] | None] = set()
         self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
@@ -263,10 +272,17 @@ class Gateway:
         if not await self._wait_idle(grace_s):
             cut = self.life.cut_streams("the gateway is shutting down; stream ended")
             waiting = self.proxy.cut_waiting(_SHUTTING_DOWN) if self.proxy is not None else 0
+            walking = list(self._walks)
+            self._walks_cut.update(walking)
+            for task in walking:
+                if task is not None:
+                    task.cancel()
             log.warning(
-                "draining: grace over, ending %d streams and %d requests waiting on a worker",
+                "draining: grace over, ending %d streams, %d requests waiting on a worker and "
+                "%d not yet sent to one",
                 cut,
                 waiting,
+                len(walking),
             )
             await self._wait_idle(5.0)
 
@@ -275,10 +291,10 @@ class Gateway:
         loop = asyncio.get_running_loop()
         end = loop.time() + seconds
         while loop.time() < end:
-            if not self._in_flight():
+            if not self._in_flight() and not self._walks:
                 return True
             await asyncio.sleep(0.02)
-        return not self._in_flight()
+        return not self._in_flight() and not self._walks
 
     def _in_flight(self) -> int:
         """Requests on any worker, those a reload removed (or moved to a new URL) included:
@@ -506,15 +522,14 @@ class Gateway:
         ticket: Ticket | None = None
         call: Call | None = None
         settings = self.settings
+        # Until it is handed to `_dispatch` (admission, then a worker: what a drain sees and
+        # cuts there), the walk is counted here for the drain: reading a body, keying, quota.
+        me = asyncio.current_task()
+        walks = self._walks
+        walks.add(me)
         try:
             if self.draining:
-                raise APIError(
-                    503,
-                    _SHUTTING_DOWN,
-                    "service_unavailable",
-                    code="shutting_down",
-                    retry_after_s=1.0,
-                )
+                raise _shutting_down()
             tenant = self.tenants.authenticate(hdrs.get("authorization"))
             raw = await read_body(
                 request,
@@ -576,6 +591,7 @@ class Gateway:
                     tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
                 ),
             )
+            walks.discard(me)
             resp = await self._dispatch(request, call, tenant, hdrs)
             if ticket is not None and ticket.admission is not None:
                 resp.headers.update(ticket.admission.headers())
@@ -584,7 +600,15 @@ class Gateway:
             # Cancelled from outside (server shutdown past its grace): nothing was produced for
             # the client, so the reservation goes back, never leaks.
             await self.settlement.refund(call, ticket)
-            raise
+            if me not in self._walks_cut:
+                raise
+            # The drain's grace ended before this walk reached a worker (a body still
+            # uploading, say): the 503 new requests get, not uvicorn's plain-text 500 later.
+            self._walks_cut.discard(me)
+            if me is not None:
+                me.uncancel()
+            self.metrics.rejected.labels("503").inc()
+            return _shutting_down().response(echo)
         except APIError as e:
             if call is not None and call.outcome == "gateway_shutdown":
                 # A drain cut it off its worker before any byte reached the client
@@ -629,6 +653,8 @@ class Gateway:
             return APIError(
                 500, "internal gateway error", "internal_error", code="internal_error"
             ).response(echo)
+        finally:
+            walks.discard(me)
 
     async def _dispatch(
         self, request: Request, call: Call, tenant: Tenant, headers: dict[str, str]

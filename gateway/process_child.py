@@ -170,8 +170,13 @@ class Siblings:
 def tcp_socket(host: str) -> socket.socket:
     """An unbound TCP socket for `host` (IPv4 or IPv6), set up as uvicorn binds: each child's
     listener and the supervisor's check that the address is free."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    v6 = ":" in host
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    if v6:
+        # IPv6 only, as asyncio's create_server makes one process's listener: without it "::"
+        # is dual-stack here and N processes also listened on every IPv4 address.
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     return sock
 
 

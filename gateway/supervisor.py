@@ -309,9 +309,11 @@ class Supervisor:
             # Shorter while a received signal still waits for the children to take the last one.
             self._wait(FORWARD_SPACING_S if self.forwarded < self.signals else 0.2)
             changed = self._read_ready()
-            if not self.stopping:
-                changed |= self._watch()
-                changed |= self._check_startup()
+            # Stopping too: a child whose loop hangs (or that is stopped, or stuck starting)
+            # never acts on the forwarded SIGTERM, and the stop waited for it forever; a
+            # draining child still answers its metrics socket.
+            changed |= self._watch()
+            changed |= self._check_startup()
             changed |= self._reap()
             if not self.stopping:
                 if not self.all_ready and any(

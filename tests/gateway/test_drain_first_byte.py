@@ -177,3 +177,40 @@ async def test_a_request_between_two_attempts_when_the_grace_ends_tries_no_other
             await asyncio.wait_for(drain, WITHIN_S)
             assert len(posts0) + len(posts1) == 1, (len(posts0), len(posts1))
             assert all(w.in_flight == 0 for w in g.gw.registry.workers.values())
+
+
+async def test_a_body_still_uploading_when_the_grace_ends_gets_the_envelope(sims) -> None:  # type: ignore[no-untyped-def]
+    """Process review: a request still in the walk (its body arriving over a slow link) was
+    invisible to the drain, which returned at once; uvicorn then cancelled it into a plain-text
+    500. The drain now waits for it like any request in flight, and when the grace ends it gets
+    the 503 `shutting_down`. A complete request that was mid-walk at SIGTERM is still served."""
+    fleet = sims(1, profile="instant")
+    s = settings_for(fleet.urls, server={"drain_grace_s": 1.0})
+    async with run_gateway(s) as g:
+        await g.wait_healthy(1)
+        assert g.server is not None
+        g.server.config.timeout_graceful_shutdown = 10  # production (gateway/server.py)
+        body = httpx.Request("POST", g.url, json=_chat(4, False)).content
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        r, w = await asyncio.open_connection("127.0.0.1", int(g.url.rsplit(":", 1)[1]))
+        w.write(head + body[:10])  # the rest never comes
+        await w.drain()
+        await _until(lambda: bool(g.gw._walks), "the walk is reading the body")
+        g.server.handle_exit(signal.SIGTERM, None)
+        await asyncio.sleep(0.2)
+        assert not r.at_eof(), "the drain did not wait for the walk"
+        raw = await asyncio.wait_for(r.read(), WITHIN_S)
+        w.close()
+        head_in, _, payload = raw.partition(b"\r\n\r\n")
+        status = int(head_in.split(b" ", 2)[1])
+        ctype = next(
+            line.split(b":", 1)[1].strip().decode()
+            for line in head_in.split(b"\r\n")[1:]
+            if line.lower().startswith(b"content-type:")
+        )
+        err = assert_openai_error(status, ctype, payload)
+        assert status == 503 and err["code"] == "shutting_down", err
+        assert not g.gw._walks and not g.gw._walks_cut

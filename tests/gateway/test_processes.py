@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.redis_server import RedisServer, free_port
 from gateway.config import load_settings
 from gateway.metrics import merge_expositions
+from gateway.process_child import tcp_socket
 from gateway.supervisor import Supervisor, process_count
 from tests.gateway.conftest import MODEL, flat_metrics, settings_for
 
@@ -552,6 +553,29 @@ def test_a_hung_child_is_killed_and_restarted(tmp_path: Path, mode: str) -> None
         assert code == 0, text
 
 
+def test_a_child_that_hangs_during_the_stop_is_killed_and_the_stop_ends(tmp_path: Path) -> None:
+    # Process review: the watchdog stopped with the first SIGTERM, so a child whose loop was
+    # stuck (here: stopped) never took the forwarded SIGTERM and the stop waited for it forever.
+    proc, log = supervise(tmp_path, QUIET_CHILD, "answer")
+    kids: list[int] = []
+    try:
+        wait_until(lambda: log.read_text().count("is serving") >= 2, 30, "children serving")
+        kids = child_pids(proc.pid)
+        assert len(kids) == 2, kids
+        os.kill(kids[0], signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)  # within hung_after_s: the stop begins first
+        code = proc.wait(60)
+    finally:
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "killing it (hung)" in text, text
+    assert code == 1, text  # ended, and not cleanly: one child had to be killed
+
+
 # -- units ---------------------------------------------------------------------------------------
 
 
@@ -589,6 +613,16 @@ def test_merge_labels_every_sample_and_keeps_one_help_per_family() -> None:
     # A process missing from a scrape leaves the others' series whole.
     alone = merge_expositions([("1", _exposition(1))]).decode()
     assert 'kvgate_t_open{process="1"} 20.0' in alone
+
+
+def test_a_child_listening_on_ipv6_any_does_not_take_ipv4() -> None:
+    # Process review: one process's "::" listener is IPv6 only (asyncio sets IPV6_V6ONLY); the
+    # children's own sockets were dual-stack, so N processes also listened on 0.0.0.0.
+    for host in ("::", "::1"):
+        with contextlib.closing(tcp_socket(host)) as sock:
+            assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+    with contextlib.closing(tcp_socket("127.0.0.1")) as sock:
+        assert sock.family == socket.AF_INET
 
 
 def test_process_count() -> None:
