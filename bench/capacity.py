@@ -9,7 +9,9 @@ a bounded search over the rate scale (x arrival rate): double or halve from 1 un
 bracketed, then bisect in log space for `--iterations` steps (4 give ~4% precision), each probe one
 offline simulation (`bench.simulate`, virtual clock, real scoring policies); all policies' probes of
 a round run in parallel processes. A probe passes when every request finished and every SLO
-percentile holds. Latency is not always monotone in load (cache placement shifts with timing), so
+percentile holds (a request the fleet refuses, vLLM's 400 for a prompt too long for the context,
+fails at every rate: it is left out and stated, not counted against the rate). Latency is not
+always monotone in load (cache placement shifts with timing), so
 the answer is the highest *passing* rate probed below the lowest failing one.
 
 Outputs one line per answer, the rate-vs-latency curve (PNG: every probe, SLO lines) and a JSON
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import SLO, machine
+from bench.metrics import SLO, fmt_s, machine
 from bench.paths import out_path, shown
 from bench.simulate import (
     FleetSpec,
@@ -38,13 +40,14 @@ from bench.simulate import (
     add_fleet_args,
     add_policy_args,
     add_trace_args,
+    bound_rates,
     fleet_from_args,
     report_console,
     run_tasks,
     specs_from_args,
     trace_from_args,
 )
-from bench.traces import Trace, cache_bound
+from bench.traces import Trace, TraceError, exit_on_trace_error, mean_rate
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
 QUANTS = ("p50", "p90", "p95", "p99")
@@ -66,8 +69,10 @@ class Objective:
 
 
 def passes(summary: dict[str, Any], objectives: list[Objective]) -> bool:
-    """Every request finished and every objective holds (a missing value fails)."""
-    if summary["completed"] < summary["requests"]:
+    """Every request the fleet serves finished and every objective holds (a missing value
+    fails). A refused request (`failed`: a 400 for a prompt that does not fit, at any rate) is
+    not held against the rate; the answer states how many there were."""
+    if summary["completed"] < summary["requests"] - summary.get("failed", 0):
         return False
     for o in objectives:
         v = o.value(summary)
@@ -143,7 +148,7 @@ def run_search(
             ok = passes(out, objectives)
             s.record(r, out, ok)
             vals = ", ".join(
-                f"{o.describe().split(' <=')[0]} {o.value(out):.3f}" for o in objectives
+                f"{o.describe().split(' <=')[0]} {fmt_s(o.value(out))}" for o in objectives
             )
             log(
                 f"round {rnd}: {s.spec.label} at x{r:.3g} ({base_rate * r:.2f} req/s): {vals} "
@@ -153,9 +158,21 @@ def run_search(
 
 
 def _base_rate(ctx: RunContext) -> float:
-    """Mean offered rate of the (sampled) trace at scale 1, req/s."""
-    n = len(ctx.trace.requests)
-    return n / ctx.trace.duration_s if ctx.trace.duration_s > 0 else float(n)
+    """Mean offered rate of the (sampled) trace at scale 1, req/s: `bench.traces.mean_rate`,
+    the definition `rate_time_scale` inverts, so `compare --load 1` replays at the capacity
+    found. A trace without a span has no rate to search (`TraceError`)."""
+    rate = mean_rate(ctx.trace)
+    if rate is None:
+        raise TraceError(
+            f"a trace of {len(ctx.trace.requests)} requests arriving at one instant has no "
+            "request rate to search: sample more requests, or a trace spanning some time"
+        )
+    return rate
+
+
+def refused(trace: Trace, fleet: FleetSpec) -> int:
+    """Requests the fleet refuses whatever the rate (vLLM's 400; `FleetSpec.servable`)."""
+    return len(trace.requests) - len(fleet.servable(trace.requests))
 
 
 @dataclass(slots=True, frozen=True)
@@ -182,8 +199,12 @@ def capacity_of(
 ) -> Capacity | None:
     """The highest mean request rate at which ``spec`` keeps ``objectives`` on ``fleet`` for
     ``trace`` (its arrival shape kept), by the same offline search as this tool's; None when
-    even the slowest rate probed fails."""
+    even the slowest rate probed fails, or when the fleet serves none of the requests.
+    Requests the fleet refuses (vLLM's 400, at any rate) are left out of the verdict."""
     ctx = RunContext(trace=trace, fleet=fleet, seed=seed)
+    if refused(trace, fleet) == len(trace.requests):
+        log(f"capacity: the fleet refuses all {len(trace.requests)} requests (too long for it)")
+        return None
     (s,) = run_search(ctx, [spec], objectives, iterations=iterations, max_log2=max_log2, log=log)
     scale = s.answer_scale
     if scale is None:
@@ -197,9 +218,14 @@ def capacity_of(
 
 
 def answer_lines(
-    searches: list[Search], objectives: list[Objective], base_rate: float, workers: int
+    searches: list[Search],
+    objectives: list[Objective],
+    base_rate: float,
+    workers: int,
+    refused: int = 0,
 ) -> list[str]:
-    """ "8 workers hold 42 req/s at TTFT p95 <= 2 s with kv_aware, 17 req/s with round_robin"."""
+    """ "8 workers hold 42 req/s at TTFT p95 <= 2 s with kv_aware, 17 req/s with round_robin",
+    plus a line for the requests the fleet refuses at any rate, when there are some."""
     slo = ", ".join(o.describe() for o in objectives)
     parts = []
     for s in sorted(searches, key=lambda s: -(s.answer_scale or 0)):
@@ -208,7 +234,13 @@ def answer_lines(
             parts.append(f"none of the probed rates with {s.spec.label}")
         else:
             parts.append(f"{base_rate * a:.1f} req/s (rate x{a:.2f}) with {s.spec.label}")
-    return [f"{workers} workers hold " + parts[0] + f" at {slo}"] + [f"    {p}" for p in parts[1:]]
+    lines = [f"{workers} workers hold " + parts[0] + f" at {slo}"] + [f"    {p}" for p in parts[1:]]
+    if refused:
+        lines.append(
+            f"    ({refused} requests refused at every rate, as vLLM refuses them (400), and left "
+            "out: too long for the context or the KV cache)"
+        )
+    return lines
 
 
 def plot(
@@ -280,32 +312,46 @@ def main(argv: list[str] | None = None) -> int:
     objectives = objectives_from_args(args) or [Objective("ttft", "p95", 2.0)]
     console = report_console()
     t0 = time.perf_counter()
+    specs = specs_from_args(args, p)
     trace = trace_from_args(args, p.prog)
     fleet = fleet_from_args(args)
+    n_refused = refused(trace, fleet)
+    if n_refused == len(trace.requests):
+        exit_on_trace_error(
+            p.prog,
+            TraceError(
+                f"the fleet refuses all {n_refused} requests (longer than --max-model-len or a "
+                "worker's KV cache): nothing to search"
+            ),
+        )
+    bound, pooled = bound_rates(trace.requests, fleet)
     ctx = RunContext(
         trace=trace,
         fleet=fleet,
         seed=args.seed,
         keys=args.keys,
         slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_e2e),
-        bound_rate=cache_bound(trace.requests).token_hit_rate,
-        pooled_rate=cache_bound(trace.requests, fleet.capacity_tokens).token_hit_rate,
+        bound_rate=bound,
+        pooled_rate=pooled,
     )
-    base = _base_rate(ctx)
+    try:
+        base = _base_rate(ctx)
+    except TraceError as e:
+        exit_on_trace_error(p.prog, e)
     console.print(
         f"capacity search: {trace.describe()}, {base:.2f} req/s at x1 | {fleet.describe()} | "
         f"keys {args.keys} | seed {args.seed} | {', '.join(o.describe() for o in objectives)}"
     )
     searches = run_search(
         ctx,
-        specs_from_args(args),
+        specs,
         objectives,
         iterations=args.iterations,
         max_log2=math.log2(args.max_scale),
         jobs=args.jobs,
         log=lambda s: console.print(s, markup=False),
     )
-    lines = answer_lines(searches, objectives, base, fleet.workers)
+    lines = answer_lines(searches, objectives, base, fleet.workers, n_refused)
     title = (
         f"{trace.describe()} | {fleet.describe()} | seed {args.seed} | "
         f"{machine()['cpu']} x{machine()['cores']}"
@@ -336,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 for s in searches
             ],
             "lines": lines,
+            "refused_requests": n_refused,
             "objectives": [_obj(o) for o in objectives],
             "trace": {**trace.meta(), "describe": trace.describe(), "rate_at_x1": base},
             "fleet": fleet.to_json(),

@@ -187,7 +187,11 @@ def start_fleet(
 
 
 def scrape(urls: list[str]) -> list[dict[str, float]]:
-    """Per worker: finished requests, prefix-cache queries/hits, preemptions (vLLM's counters)."""
+    """Per worker: finished requests, prefix-cache queries/hits, preemptions (vLLM's counters).
+
+    Requests served are the `stop` and `length` samples of `vllm:request_success_total`: vLLM
+    0.32 counts a client's abort in none, but any other reason ("abort" when the engine itself
+    aborts, "error") is not a request the worker served either."""
     out = []
     for u in urls:
         text = httpx.get(u + "/metrics", timeout=5.0).text
@@ -198,7 +202,8 @@ def scrape(urls: list[str]) -> list[dict[str, float]]:
             name, _, value = line.rpartition(" ")
             key = name.split("{", 1)[0]
             if key == "vllm:request_success_total":
-                m["requests"] += float(value)
+                if 'finished_reason="stop"' in name or 'finished_reason="length"' in name:
+                    m["requests"] += float(value)
             elif key == "vllm:prefix_cache_queries_total":
                 m["queries"] += float(value)
             elif key == "vllm:prefix_cache_hits_total":
@@ -568,6 +573,8 @@ UNLOADED_STRETCH = 1024.0  # the trace's clock x this: arrivals far apart, no qu
 def prepare(args: argparse.Namespace) -> Trace:
     """The sample, with its output capped; its clock is set by `pace`."""
     trace = load_trace(args.trace, args.format)
+    if not trace.requests:
+        raise TraceError(f"{args.trace}: the trace has no request")
     if args.limit:
         trace = head(trace, args.limit)
     if args.sample:
@@ -759,6 +766,10 @@ def main(argv: list[str] | None = None) -> int:
         share = ShareModel.parse(args.predict_share, args.predict_share_delay_s)
     except ValueError as e:
         p.error(f"--predict-share: {e}")
+    try:  # before anything runs: an unknown name would fail in every target and prediction
+        specs = [PolicySpec.parse(s).check() for s in split_policies(args.policies)]
+    except ValueError as e:
+        p.error(f"--policies: {e}")
     t0 = time.monotonic()
     console = Console() if sys.stdout.isatty() else Console(width=160)
     out: Path = args.out
@@ -781,7 +792,6 @@ def main(argv: list[str] | None = None) -> int:
     except TraceError as e:
         exit_on_trace_error(p.prog, e)
     slo = parse_goodput(args.goodput)
-    specs = [PolicySpec.parse(s) for s in split_policies(args.policies)]
     peer_names = [] if args.peers.strip() in ("", "none") else split_policies(args.peers)
     cluster = not args.no_cluster
     targets = [
@@ -868,8 +878,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_predict
         else predict(trace, fleet, specs, slo, args.seed, replicas=replicas, share=share)
     )
-    bound = cache_bound(trace.requests)
-    pooled = cache_bound(trace.requests, fleet.workers * fleet.num_blocks * fleet.block_size)
+    # The bounds over what the fleet serves: a refused request's prompt is neither in a
+    # policy's hit rate nor in any cache (FleetSpec.servable).
+    served = fleet.spec().servable(trace.requests)
+    bound = cache_bound(served)
+    pooled = cache_bound(served, fleet.workers * fleet.num_blocks * fleet.block_size)
     floor = dist(fleet.spec().ttft_floor(trace.requests))
     report = {
         "targets": [

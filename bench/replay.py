@@ -396,6 +396,8 @@ def _std(vals: Sequence[float]) -> float:
 def prepare_trace(args: argparse.Namespace) -> Trace:
     """Load, cut and time the trace as the flags say (every step lands in the trace's notes)."""
     trace = load_trace(args.trace, args.format)
+    if not trace.requests:
+        raise TraceError(f"{args.trace}: the trace has no request")
     if args.limit:
         trace = head(trace, args.limit)
     if args.sample:
@@ -524,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     pacing = None
     if args.load is not None:
-        trace, pacing = pace_to_capacity(trace, opts, args.load, args.capacity, console)
+        try:
+            trace, pacing = pace_to_capacity(trace, opts, args.load, args.capacity, console)
+        except TraceError as e:  # a trace without a span has no rate to scale
+            exit_on_trace_error(p.prog, e)
     urls = opts.urls
     where = urls[0] if len(urls) == 1 else f"{len(urls)} URLs at random ({', '.join(urls)})"
     console.print(f"replaying {trace.describe()} against {where}", markup=False)

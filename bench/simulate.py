@@ -30,6 +30,7 @@ the same seed gives the same numbers on any machine (wall times aside).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing as mp
 import os
@@ -41,7 +42,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,7 @@ from scoring.precise import PreciseIndex
 from scoring.state import RoutingState
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 from workers.kv_intake import PreciseSink
-from workers.sim.engine import Engine
+from workers.sim.engine import Engine, admitted_max_tokens
 from workers.sim.engine_types import EngineConfig, SimRequest
 from workers.sim.kv_publisher import wire_events
 from workers.sim.profiles import TimingProfile, get_profile
@@ -88,6 +89,7 @@ DEFAULT_TRACE = MOONCAKE_TRACE
 DEFAULT_POLICIES = "round_robin,least_loaded,prefix,kv_aware"
 MODEL = "sim-llama"
 DEFAULT_PRIORITY = 0.5  # a request with no tenant's priority, as the gateway gives it
+PRECISE = "kv_aware_precise"  # kv_aware over the precise index fed by the engines' KV events
 
 
 # ==================================================================================================
@@ -114,8 +116,8 @@ class FleetSpec:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 262144
 
-    def engines(self, kv_events: bool = False) -> list[Engine]:
-        config = EngineConfig(
+    def engine_config(self, kv_events: bool = False) -> EngineConfig:
+        return EngineConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
@@ -123,8 +125,29 @@ class FleetSpec:
             max_model_len=self.max_model_len,
             enable_kv_events=kv_events,
         )
+
+    def engines(self, kv_events: bool = False) -> list[Engine]:
+        config = self.engine_config(kv_events)
         profile = self.timing()
         return [Engine(config, profile) for _ in range(self.workers)]
+
+    def servable(self, requests: Sequence[TraceRequest]) -> list[TraceRequest]:
+        """The requests these workers serve, as they run them: a request the engine refuses
+        (vLLM's 400: a prompt with no room for an output token in the context or the KV cache)
+        is left out, and an output that does not fit is clamped as vLLM clamps `max_tokens`
+        (`workers.sim.engine.admitted_max_tokens`, the engine's own rule).
+
+        What the bounds and the TTFT floor are computed over: a refused request is in no
+        policy's hit rate, and its blocks are in no cache for a later request to hit."""
+        config = self.engine_config()
+        out = []
+        for r in requests:
+            try:
+                n = admitted_max_tokens(config, r.input_length, max(1, r.output_length))
+            except ValueError:
+                continue
+            out.append(r if n >= r.output_length else replace(r, output_length=n))
+        return out
 
     def timing(self) -> TimingProfile:
         """The workers' timing profile, scaled."""
@@ -134,10 +157,10 @@ class FleetSpec:
         return profile
 
     def ttft_floor(self, requests: Sequence[TraceRequest]) -> list[float]:
-        """Each request's TTFT alone on one of these workers holding every earlier block
-        (`bench.floor`)."""
+        """Each served request's TTFT alone on one of these workers holding every block an
+        earlier *served* request computed (`bench.floor`, over `servable`)."""
         return ttft_floor(
-            requests,
+            self.servable(requests),
             self.timing(),
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_tokens=self.num_blocks * self.block_size,
@@ -189,13 +212,24 @@ class PolicySpec:
         for part in filter(None, (p.strip() for p in rest.rstrip("]").split(";"))):
             k, _, v = part.partition("=")
             k = k.strip()
-            if k in wnames:
-                w[k] = float(v)
-            elif k in onames:
-                o[k] = float(v)
-            else:
+            if k not in wnames and k not in onames:
                 raise ValueError(f"{text}: {k!r} is neither a weight nor a routing option")
+            try:
+                value = float(v)
+            except ValueError:
+                raise ValueError(f"{text}: {k} = {v.strip()!r} is not a number") from None
+            (w if k in wnames else o)[k] = value
         return cls(name.strip(), text, tuple(sorted(w.items())), tuple(sorted(o.items())))
+
+    def check(self) -> PolicySpec:
+        """This spec, or ValueError when its policy name is none the simulator runs (`parse`
+        takes any name, so a test can label a search; a run would fail in make_policy)."""
+        if self.name not in (*POLICY_NAMES, PRECISE):
+            raise ValueError(
+                f"unknown routing policy {self.name!r}; known: "
+                f"{', '.join([*POLICY_NAMES, PRECISE])}"
+            )
+        return self
 
     def routing_options(self, trace_block: int, keys: str) -> RoutingOptions:
         """Options for the run. With trace keys one chain entry is one trace block, so the index
@@ -212,9 +246,6 @@ class PolicySpec:
 # ==================================================================================================
 # The router adapter and the fleet
 # ==================================================================================================
-
-
-PRECISE = "kv_aware_precise"
 
 
 class PolicyRouter:
@@ -521,10 +552,8 @@ def simulate_policy(
     t0, c0 = time.perf_counter(), time.process_time()
     result = sim.run(_arrivals(reqs, progress))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if bound_rate is None:
-        bound_rate = cache_bound(reqs).token_hit_rate
-    if pooled_rate is None:
-        pooled_rate = cache_bound(reqs, fleet.capacity_tokens).token_hit_rate
+    if bound_rate is None or pooled_rate is None:
+        bound_rate, pooled_rate = bound_rates(reqs, fleet)
     out = summarize(result, spec, slo or SLO(), bound_rate, fleet.workers, router.reasons)
     out["pooled_bound_hit_rate"] = pooled_rate
     out["hit_vs_pooled_bound"] = out["hit_rate"] / pooled_rate if pooled_rate else None
@@ -538,6 +567,17 @@ def simulate_policy(
             "worker": [r.worker for r in result.results],
         }
     return out
+
+
+def bound_rates(reqs: Sequence[TraceRequest], fleet: FleetSpec) -> tuple[float, float]:
+    """The infinite-cache bound's and the pooled-cache reference's token hit rates over the
+    requests `fleet` serves (`FleetSpec.servable`): the same request set as a policy's hit rate,
+    which leaves refused requests out."""
+    served = fleet.servable(reqs)
+    return (
+        cache_bound(served).token_hit_rate,
+        cache_bound(served, fleet.capacity_tokens).token_hit_rate,
+    )
 
 
 def summarize(
@@ -557,7 +597,9 @@ def summarize(
     tpots = [t for r in done if (t := tpot(r.e2e, r.ttft, r.output_tokens)) is not None]
     itls = [g for r in done for g in r.itl]
     good = sum(1 for r in done if slo.met(r.ttft, tpot(r.e2e, r.ttft, r.output_tokens), r.e2e))
-    span = result.duration or 1e-9
+    # Rates are over the replay's own span, first arrival to last completion: a trace (or a
+    # window sample, which keeps its times) that starts late has served nothing before it.
+    span = max(result.span, 1e-9)
     per_worker = [0] * workers
     prefill_per_worker = [0] * workers
     for r in res:
@@ -595,6 +637,7 @@ def summarize(
             "prompt_tokens_s": prompt / span,
         },
         "duration_s": result.duration,
+        "span_s": result.span,
         "load": {
             "requests_per_worker": per_worker,
             "requests_max_over_mean": balance(per_worker),
@@ -900,7 +943,10 @@ def _kv(text: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         k, _, v = part.partition("=")
-        out[k.strip()] = float(v)
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise ValueError(f"{k.strip()} = {v.strip()!r} is not a number") from None
     return out
 
 
@@ -1011,18 +1057,24 @@ def share_from_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> Sha
 
 
 def trace_from_args(args: argparse.Namespace, prog: str | None = None) -> Trace:
-    """The trace the flags name; with `prog`, a trace that cannot be read ends the program with
-    one line on stderr (exit 2) rather than a traceback."""
+    """The trace the flags name; with `prog`, a trace that cannot be used (unreadable, a
+    malformed record, a bad generator spec, no request at all, a bad sample) ends the program
+    with one line on stderr (exit 2) rather than a traceback; without, it is a `TraceError`."""
     try:
         trace = load_trace(args.trace, args.format)
+        if not trace.requests:
+            raise TraceError(f"{args.trace}: the trace has no request")
+        if args.limit:
+            trace = head(trace, args.limit)
+        if args.sample:
+            try:
+                trace = sample(trace, args.sample, args.seed, by=args.sample_by)
+            except ValueError as e:
+                raise TraceError(f"--sample: {e}") from e
     except TraceError as e:
         if prog is None:
             raise
         exit_on_trace_error(prog, e)
-    if args.limit:
-        trace = head(trace, args.limit)
-    if args.sample:
-        trace = sample(trace, args.sample, args.seed, by=args.sample_by)
     return trace
 
 
@@ -1039,9 +1091,21 @@ def fleet_from_args(args: argparse.Namespace) -> FleetSpec:
     )
 
 
-def specs_from_args(args: argparse.Namespace) -> list[PolicySpec]:
-    w, o = _kv(args.weights), _kv(args.options)
-    return [PolicySpec.parse(s, w, o) for s in split_policies(args.policies)]
+def specs_from_args(
+    args: argparse.Namespace, p: argparse.ArgumentParser | None = None
+) -> list[PolicySpec]:
+    """The policies the flags name, checked before anything runs (an unknown name or option is
+    a usage error with `p`, exit 2, rather than a traceback from a worker process)."""
+    try:
+        w, o = _kv(args.weights), _kv(args.options)
+        specs = [PolicySpec.parse(s, w, o).check() for s in split_policies(args.policies)]
+        if not specs:
+            raise ValueError("no policy given")
+    except ValueError as e:
+        if p is None:
+            raise
+        p.error(f"--policies/--weights/--options: {e}")
+    return specs
 
 
 def slo_from_args(args: argparse.Namespace) -> SLO:
@@ -1049,11 +1113,15 @@ def slo_from_args(args: argparse.Namespace) -> SLO:
 
 
 def over_seeds(runs: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
-    """One policy over several seeds: the headline figures are the medians; `spread` holds the
-    (min, max) of p99 TTFT, hit rate and goodput, `per_seed` each seed's. One run: unchanged."""
+    """One policy over several seeds: every figure the table prints is the median over seeds
+    (hit rates, the distributions, goodput, throughput, pre-emptions, load balance, decision
+    reasons; `spread` holds the (min, max) of p99 TTFT, hit rate and goodput, `per_seed` each
+    seed's headline figures. Lists (per-worker counts) and the wall times stay the first
+    seed's. The request set is the same for every seed, so completed/failed are too. One run:
+    unchanged."""
     if len(runs) == 1:
         return runs[0]
-    out = dict(runs[0])
+    out = copy.deepcopy(runs[0])
 
     def med(get: Callable[[dict[str, Any]], Any]) -> float | None:
         vals = [v for r in runs if (v := get(r)) is not None]
@@ -1068,6 +1136,14 @@ def over_seeds(runs: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, An
         "fraction": med(lambda r: r["goodput"]["fraction"]),
         "requests_s": med(lambda r: r["goodput"]["requests_s"]),
     }
+    out["throughput"] = {k: med(lambda r, k=k: r["throughput"][k]) for k in runs[0]["throughput"]}
+    for key in ("preempted_requests", "preemptions", "duration_s", "span_s"):
+        if key in runs[0]:
+            out[key] = med(lambda r, k=key: r.get(k))
+    for key in ("requests_max_over_mean", "prefill_max_over_mean"):
+        out["load"][key] = med(lambda r, k=key: r["load"][k])
+    names = sorted({k for r in runs for k in r.get("reasons", {})})
+    out["reasons"] = {k: med(lambda r, k=k: r.get("reasons", {}).get(k, 0)) for k in names}
 
     def span(get: Callable[[dict[str, Any]], Any]) -> list[float]:
         vals = [v for r in runs if (v := get(r)) is not None]
@@ -1085,6 +1161,9 @@ def over_seeds(runs: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, An
             "ttft_p50": r["ttft"]["p50"],
             "ttft_p99": r["ttft"]["p99"],
             "goodput": r["goodput"]["fraction"],
+            "requests_s": r["throughput"]["requests_s"],
+            "preempted_requests": r["preempted_requests"],
+            "requests_max_over_mean": r["load"]["requests_max_over_mean"],
         }
         for sd, r in zip(seeds, runs, strict=True)
     ]
@@ -1095,8 +1174,9 @@ def over_seeds(runs: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, An
 def build_report(
     ctx: RunContext, results: list[dict[str, Any]], time_scale: float, wall: float
 ) -> dict[str, Any]:
-    bound = cache_bound(ctx.trace.requests)
-    pooled = cache_bound(ctx.trace.requests, ctx.fleet.capacity_tokens)
+    served = ctx.fleet.servable(ctx.trace.requests)
+    bound = cache_bound(served)
+    pooled = cache_bound(served, ctx.fleet.capacity_tokens)
     floor = dist(ctx.fleet.ttft_floor(ctx.trace.requests))
     for p in results:
         p["ttft_p99_vs_floor"] = _over(p["ttft"]["p99"], floor["p99"])
@@ -1156,6 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_scale and args.rate_scale:
         p.error("give --time-scale or --rate-scale, not both")
     share = share_from_args(args, p)
+    specs = specs_from_args(args, p)
     time_scale = args.time_scale or (1.0 / args.rate_scale if args.rate_scale else 1.0)
     console = report_console()
     t0 = time.perf_counter()
@@ -1169,9 +1250,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas=args.replicas,
         share=share,
     )
-    ctx.bound_rate = cache_bound(trace.requests).token_hit_rate
-    ctx.pooled_rate = cache_bound(trace.requests, ctx.fleet.capacity_tokens).token_hit_rate
-    specs = specs_from_args(args)
+    ctx.bound_rate, ctx.pooled_rate = bound_rates(trace.requests, ctx.fleet)
     seeds = [args.seed + k for k in range(args.seeds)]
     tasks = [
         SimTask(spec, time_scale, f"{spec.label} seed {sd}" if args.seeds > 1 else "", sd)

@@ -289,25 +289,33 @@ def write_jsonl(path: str | Path, trace: Trace) -> None:
 
 
 def read_jsonl(path: str | Path) -> Trace:
-    """Read a normalized JSONL trace (header optional), validating every request."""
+    """Read a normalized JSONL trace (header optional), validating every request; a record that
+    cannot be replayed is a `TraceError` naming its line."""
     reqs: list[TraceRequest] = []
     source, fmt, notes = str(path), "kvgate", []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            d = json.loads(line)
+            try:
+                d = json.loads(line)
+            except ValueError as e:
+                raise TraceError(f"{path}:{n}: not JSON: {e}") from None
+            if not isinstance(d, dict):
+                raise TraceError(f"{path}:{n}: a record must be a JSON object")
             if "kvgate_trace" in d:
                 if d["kvgate_trace"] != SCHEMA_VERSION:
-                    raise ValueError(f"{path}: schema version {d['kvgate_trace']} not supported")
+                    raise TraceError(f"{path}: schema version {d['kvgate_trace']} not supported")
                 fmt = f"kvgate (from {d.get('format', '?')})"
                 notes = list(d.get("notes") or [])
                 continue
             try:
                 r = TraceRequest.from_json(d)
                 r.validate()
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
+            except KeyError as e:
+                raise TraceError(f"{path}:{n}: missing field {e}") from None
+            except (TypeError, ValueError) as e:
+                raise TraceError(f"{path}:{n}: {e}") from None
             reqs.append(r)
     return Trace(sort_requests(reqs), source, fmt, notes)
 
@@ -642,9 +650,24 @@ def exit_on_trace_error(prog: str, error: TraceError) -> NoReturn:
 
 
 def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trace:
-    """Any supported trace, format detected unless given. `options` go to the converter."""
+    """Any supported trace, format detected unless given. `options` go to the converter.
+
+    A trace that cannot be used (a malformed record, a bad generator spec such as
+    `conversation:sessions=0`) is a `TraceError` (one line for the CLIs, `exit_on_trace_error`);
+    the converter's own exception stays chained for a debugger."""
     check_trace_path(path)
     fmt = fmt or detect_format(path)
+    try:
+        return _convert(path, fmt, options)
+    except TraceError:
+        raise
+    except KeyError as e:
+        raise TraceError(f"{path}: missing field {e}") from e
+    except (ValueError, TypeError) as e:
+        raise TraceError(f"{path}: {e}") from e
+
+
+def _convert(path: str | Path, fmt: str, options: dict[str, Any]) -> Trace:
     if fmt == "mooncake":
         return from_mooncake(path)
     if fmt == "azure":
@@ -759,13 +782,32 @@ def scale_time(trace: Trace, time_scale: float) -> Trace:
     return trace.replace(out, f"time scale x{time_scale:g} (rate x{1 / time_scale:.3g})")
 
 
-def rate_time_scale(trace: Trace, rate: float) -> float:
-    """The time scale that replays `trace` at `rate` requests/s on average (its arrivals keep
-    their shape: bursts stay bursts, only the clock runs faster or slower)."""
+def mean_rate(trace: Trace) -> float | None:
+    """The trace's mean arrival rate, req/s: (n - 1) / span, one over the mean gap between
+    arrivals. The one definition every bench uses (`rate_time_scale`, `bench.capacity`'s rates),
+    so a rate one tool reports is the rate another replays. None for a trace without a span
+    (fewer than two requests, or all at one instant), whose rate no time scale can change."""
     n, span = len(trace.requests), trace.duration_s
     if n < 2 or span <= 0:
-        return 1.0
-    return ((n - 1) / span) / rate
+        return None
+    return (n - 1) / span
+
+
+def rate_time_scale(trace: Trace, rate: float) -> float:
+    """The time scale that replays `trace` at `rate` requests/s on average (`mean_rate`; its
+    arrivals keep their shape: bursts stay bursts, only the clock runs faster or slower).
+
+    A trace without a span has no rate to scale: asking for one is a `TraceError` rather than a
+    replay that silently ignores the rate asked for."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    base = mean_rate(trace)
+    if base is None:
+        raise TraceError(
+            f"a trace of {len(trace.requests)} requests arriving at one instant has no rate to "
+            "scale: give a time scale, or a trace spanning some time"
+        )
+    return base / rate
 
 
 def cap_output(trace: Trace, max_tokens: int) -> Trace:
@@ -821,26 +863,50 @@ def _id_key(block_id: BlockId) -> tuple[str, str]:
     return "\x01s", block_id
 
 
-def prompt_token_ids(req: TraceRequest) -> list[int]:
-    """The request's prompt as exactly `input_length` token ids in [1000, 50000).
+_TAIL_CHUNK = 4096  # a tail is drawn in pieces of at most this many tokens (the pool's spare)
 
-    Identical block ids give identical tokens (an int id gives what `tokens_for_blocks` gives);
-    tokens past the last id are drawn from the request id, so they are unique to the request.
+
+def _tail(pool: np.ndarray, request_id: str, n: int) -> list[np.ndarray]:
+    """`n` tokens unique to the request, in pieces no longer than the pool's spare end (one
+    slice of any length could run past it); the first piece is what a short tail always was."""
+    out = []
+    for k in range(-(-n // _TAIL_CHUNK)):
+        key = request_id if k == 0 else f"{request_id}\x00{k}"
+        out.append(_block(pool, "\x02tail", key, min(_TAIL_CHUNK, n - k * _TAIL_CHUNK)))
+    return out
+
+
+def prompt_token_ids(req: TraceRequest) -> list[int]:
+    """The request's prompt as exactly `input_length` token ids.
+
+    `prompt_token_ids` given: those. Otherwise identical block ids give identical tokens in
+    [1000, 50000) (an int id gives what `tokens_for_blocks` gives), and tokens past the last id
+    are drawn from the request id, so they are unique to the request. A record with a text
+    `prompt` (and no block ids, which the schema allows) starts with the simulated tokenizer's
+    ids of its text, as the simulated worker sees it when a replay sends the text: records that
+    share a text prefix share those tokens. The trace's `input_length` (the real model's count)
+    stays the length: a longer tokenization is cut, a shorter one continues with unique tokens.
     """
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     bs = req.block_size
     n = req.input_length
-    pool = _get_pool(bs)
+    pool = _get_pool(max(bs, _TAIL_CHUNK))
     ids = req.block_ids[: -(-n // bs)]
     parts = [_block(pool, *_id_key(h), bs) for h in ids]
     covered = len(ids) * bs
+    head: list[int] = []
+    if not ids and req.prompt is not None:
+        from workers.sim.tokenizer import encode
+
+        head = encode(req.prompt)[:n]
+        covered = len(head)
     if covered < n:
-        parts.append(_block(pool, "\x02tail", req.request_id, n - covered))
-    tokens = np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
+        parts.extend(_tail(pool, req.request_id, n - covered))
+    tokens = np.concatenate(parts)[: n - len(head)] if parts else np.zeros(0, dtype=np.int64)
     tokens %= TOKEN_HIGH - TOKEN_LOW
     tokens += TOKEN_LOW
-    return tokens.tolist()
+    return head + tokens.tolist()
 
 
 def prompt_text(req: TraceRequest) -> str:
@@ -862,10 +928,13 @@ def chain_keys(req: TraceRequest, root: int = 0) -> list[int]:
 
     The same kind of key as scoring.prefix builds for the gateway (xxh3-64 chained through the
     seed), so a routing index can be fed straight from a trace without materialising prompts.
+    The chain starts from the request's block size: the same id at 16 and at 64 tokens names
+    different content (a trace may mix block sizes: the schema has one per record), so their
+    keys never match, in the bounds or in a routing index.
     """
     out = []
-    parent = root
     h64 = xxhash.xxh3_64_intdigest
+    parent = h64(b"\x03bs" + req.block_size.to_bytes(8, "little"), seed=root)
     for b in req.block_ids[: req.full_blocks]:
         data = (b & _MASK64).to_bytes(8, "little") if isinstance(b, int) else b"\x01" + b.encode()
         parent = h64(data, seed=parent)
@@ -918,8 +987,13 @@ def bound_hits(
     requests: Iterable[TraceRequest], capacity_tokens: int | None = None
 ) -> Iterator[tuple[TraceRequest, list[int], int]]:
     """Per request in arrival order: its chain keys and how many of its leading blocks one cache
-    holds when it arrives (unbounded, or `capacity_tokens` of LRU; see `cache_bound`)."""
-    seen: OrderedDict[int, None] | set[int] = OrderedDict() if capacity_tokens else set()
+    holds when it arrives (unbounded, or `capacity_tokens` of LRU; see `cache_bound`).
+
+    Every request given is taken as computed: a caller bounding what a fleet can hit passes
+    only the requests it serves (`bench.simulate.FleetSpec.servable`), since a refused
+    request's blocks are in no cache."""
+    seen: OrderedDict[int, int] | set[int] = OrderedDict() if capacity_tokens else set()
+    held = 0  # tokens in the LRU (block sizes may differ between requests)
     for r in requests:
         keys = chain_keys(r)
         cap = (r.input_length - 1) // r.block_size
@@ -930,12 +1004,14 @@ def bound_hits(
             matched += 1
         yield r, keys, matched
         if isinstance(seen, OrderedDict):
-            limit = max(0, capacity_tokens or 0) // r.block_size
+            limit = max(0, capacity_tokens or 0)
             for k in reversed(keys):
-                seen[k] = None
+                if k not in seen:
+                    held += r.block_size
+                seen[k] = r.block_size
                 seen.move_to_end(k)
-            while len(seen) > limit:
-                seen.popitem(last=False)
+            while held > limit:
+                held -= seen.popitem(last=False)[1]
         else:
             seen.update(keys)
 

@@ -45,6 +45,7 @@ from bench.simulate import (
     SimTask,
     add_fleet_args,
     add_trace_args,
+    bound_rates,
     fleet_from_args,
     print_table,
     report_console,
@@ -52,7 +53,7 @@ from bench.simulate import (
     slo_from_args,
     trace_from_args,
 )
-from bench.traces import cache_bound, load_trace
+from bench.traces import load_trace
 from scoring.views import RoutingOptions, Weights
 
 # name -> (low, high, log scale): what the search may change. Tenant priority is left alone: it
@@ -273,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RunContext(
         trace=trace, fleet=fleet_from_args(args), seed=args.seed, slo=slo_from_args(args)
     )
-    ctx.bound_rate = cache_bound(trace.requests).token_hit_rate
-    ctx.pooled_rate = cache_bound(trace.requests, ctx.fleet.capacity_tokens).token_hit_rate
+    ctx.bound_rate, ctx.pooled_rate = bound_rates(trace.requests, ctx.fleet)
     base = baseline(args.config)
     time_scale = 1.0 / args.rate_scale
     done = search(

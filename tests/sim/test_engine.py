@@ -340,7 +340,7 @@ def test_scripted_output_tokens_and_finish_reasons() -> None:
 def test_invalid_requests_are_rejected_up_front() -> None:
     engine = Engine(EngineConfig(num_blocks=64, block_size=16, max_model_len=512), FAST)
     with pytest.raises(ValueError, match="maximum context length is 512"):
-        engine.add_request(SimRequest("long", prompt(500), 20), 0.0)
+        engine.add_request(SimRequest("long", prompt(512), 20), 0.0)
     with pytest.raises(ValueError):
         engine.add_request(SimRequest("empty", [], 5), 0.0)
     with pytest.raises(ValueError):

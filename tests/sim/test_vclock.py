@@ -260,7 +260,7 @@ async def test_stop_ends_open_streams_and_rejects_invalid_requests() -> None:
     loop = EngineLoop(Engine(EngineConfig(num_blocks=64, block_size=16, max_model_len=128), FAST))
     await loop.start()
     with pytest.raises(ValueError):
-        loop.submit(SimRequest("too-long", prompt(120), 20))
+        loop.submit(SimRequest("too-long", prompt(128), 20))
     handle = loop.submit(SimRequest("r", prompt(10), 100))
     # The stream is open and under way (its first output in; waited for, not a fixed pause a
     # loaded host may spend before the first step) ...

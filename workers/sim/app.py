@@ -278,6 +278,18 @@ def _routes(w: SimWorker) -> list[Route]:
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(w.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def sim_stats(_: Request) -> Response:
+        """The engine's own books (not a vLLM endpoint): how requests ended, aborts included,
+        which /metrics leaves out as vLLM does."""
+        s = w.engine.stats()
+        return _json(
+            {
+                "finished_by_reason": dict(sorted(s.request_success.items())),
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+            }
+        )
+
     async def faults_get(_: Request) -> Response:
         return _json(w.faults.to_dict())
 
@@ -309,6 +321,7 @@ def _routes(w: SimWorker) -> list[Route]:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", faults_get, methods=["GET"]),
         Route("/sim/faults", faults_post, methods=["POST"]),
         Route("/sim/reset", faults_reset, methods=["POST"]),

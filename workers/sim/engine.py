@@ -42,6 +42,38 @@ def generated_token_ids(request_id: str, n: int) -> list[int]:
     return random.Random(seed).choices(_VOCAB, k=n)
 
 
+def admitted_max_tokens(config: EngineConfig, prompt_len: int, max_tokens: int) -> int:
+    """The `max_tokens` a request runs with, or ValueError with the 400's message: vLLM 0.32's
+    front-end rule, the one servability test of the engine, the HTTP worker and bench/.
+
+    vLLM refuses only a prompt that leaves no room for one output token (`prompt_len >=
+    max_model_len`) and *clamps* an explicit `max_tokens` to `max_model_len - prompt_len`
+    (`get_max_tokens`; recorded: tests/fixtures/vllm-0.32/max_tokens_clamped.json). vLLM never
+    starts with a context longer than its KV cache (it fails at startup, or fits `max_model_len`
+    to the cache), so a simulated engine configured that way behaves as the fitted one: the
+    context is also bounded by the KV cache, a prompt that cannot fit it with one output token is
+    refused (a message naming the KV cache), and the output is clamped to what fits.
+    """
+    if prompt_len == 0:
+        raise ValueError("the prompt must contain at least one token")
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be at least 1")
+    max_len = config.max_model_len
+    if prompt_len >= max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt "
+            f"contains {prompt_len} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt."
+        )
+    kv_tokens = config.num_blocks * config.block_size
+    if prompt_len >= kv_tokens:
+        raise ValueError(
+            f"request needs {prompt_len + 1} tokens of KV cache (its prompt and one output "
+            f"token) but the engine holds only {kv_tokens}"
+        )
+    return min(max_tokens, max_len - prompt_len, kv_tokens - prompt_len)
+
+
 class Engine(KVCacheManager):
     """One simulated vLLM engine core: V1 scheduler + KV cache manager (`KVCacheManager`, the base
     class, which describes the block pool) + a timing model.
@@ -72,35 +104,21 @@ class Engine(KVCacheManager):
     # ---- contract -------------------------------------------------------------------------------
 
     def add_request(self, req: SimRequest, now: float) -> None:
-        """Validate like vLLM's front end (so the server can answer 400) and queue as waiting."""
+        """Validate like vLLM's front end (so the server can answer 400; `admitted_max_tokens`:
+        an output that does not fit is clamped, not refused) and queue as waiting."""
         c = self.config
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in the engine")
         prompt_len = len(req.prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("the prompt must contain at least one token")
-        if req.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if prompt_len + req.max_tokens > c.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {c.max_model_len} tokens. However, you "
-                f"requested {prompt_len + req.max_tokens} tokens ({prompt_len} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the messages "
-                "or completion."
-            )
-        if -(-(prompt_len + req.max_tokens) // self._bs) > c.num_blocks:
-            raise ValueError(
-                f"request needs {prompt_len + req.max_tokens} tokens of KV cache but the engine "
-                f"holds only {c.num_blocks * self._bs}"
-            )
+        max_tokens = admitted_max_tokens(c, prompt_len, req.max_tokens)
         if req.output_token_ids is None:
-            out_ids = generated_token_ids(rid, req.max_tokens)
-            limit, reason = req.max_tokens, "length"
+            out_ids = generated_token_ids(rid, max_tokens)
+            limit, reason = max_tokens, "length"
         else:
-            out_ids = list(req.output_token_ids[: req.max_tokens])
+            out_ids = list(req.output_token_ids[:max_tokens])
             limit = len(out_ids)
-            reason = "stop" if len(req.output_token_ids) < req.max_tokens else "length"
+            reason = "stop" if len(req.output_token_ids) < max_tokens else "length"
         r = Req(req, out_ids, limit, reason)
         bs = self._bs
         nfull = prompt_len // bs

@@ -65,7 +65,9 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    # vllm:request_success_total by finished_reason ("stop", "length", "abort")
+    # How requests ended, by finished_reason ("stop", "length", "abort": aborted by the caller).
+    # /metrics exports it as vllm:request_success_total *without* "abort", as vLLM 0.32 counts a
+    # client's abort nowhere (workers.sim.metrics.exported_success).
     request_success: dict[str, int] = field(default_factory=dict)
     num_blocks_used: int = 0  # blocks with a reference from a live request
     num_blocks_cached: int = 0  # blocks holding a reusable prefix (in use or evictable)

@@ -87,9 +87,17 @@ class RequestResult:
 @dataclass(slots=True)
 class SimulationResult:
     results: list[RequestResult]  # in arrival order
-    duration: float  # virtual seconds from the first arrival's time 0 to the last completion
+    duration: float  # virtual time of the last completion (seconds from the clock's 0)
     num_steps: int
     engines: list[Engine]
+    start: float = 0.0  # virtual time of the first arrival
+
+    @property
+    def span(self) -> float:
+        """Seconds from the first arrival to the last completion: what the fleet was busy
+        replaying (0 when nothing completed). Rates divide by this, not by `duration`, which
+        also counts the time before the first arrival."""
+        return max(0.0, self.duration - self.start)
 
     @property
     def hit_rate(self) -> float:
@@ -163,11 +171,14 @@ class VirtualFleet:
         self._ready_at: list[float | None] = [None] * n
 
         last = -math.inf
+        start: float | None = None
         for a in arrivals:
             now = a.time
             if now < last:
                 raise ValueError("arrivals must be in non-decreasing time order")
             last = now
+            if start is None:
+                start = now
             for w in range(n):
                 self._advance(w, now)
             w = self.route(a, self.snapshot(now))
@@ -194,7 +205,9 @@ class VirtualFleet:
                 self._ready_at[w] = now  # starts after every arrival at this same instant
         for w in range(n):
             self._advance(w, math.inf)
-        return SimulationResult(self._results, self._end_time, self._num_steps, engines)
+        return SimulationResult(
+            self._results, self._end_time, self._num_steps, engines, 0.0 if start is None else start
+        )
 
     def _advance(self, w: int, until: float) -> None:
         """Run engine w through every event before `until` (step ends at `until` included).
