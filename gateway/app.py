@@ -466,8 +466,11 @@ class Gateway:
                 log.exception("kv events: subscriber sync failed")
 
     def _worker_model(self, name: str) -> str | None:
+        """The name a worker's KV events are keyed under: its model's, as requests key theirs
+        (`Registry.cache_name`)."""
         w = self.registry.workers.get(name)
-        return None if w is None else _base_model(w)
+        base = None if w is None else _base_model(w)
+        return None if base is None else self.registry.cache_name(base)
 
     def _worker_block_size(self, name: str) -> int:
         w = self.registry.workers.get(name)
@@ -566,6 +569,7 @@ class Gateway:
                 data=data,
                 raw_len=len(raw),
                 model=model,
+                cache_model=self.registry.cache_name(model),
                 namespace=tenant.namespace,
                 session_scope=tenant.session_scope,
                 headers=hdrs,

@@ -110,9 +110,12 @@ async def route_key(
     request_id: str,
     precise: bool,
     session_scope: str | None = None,
+    cache_model: str | None = None,
 ) -> RouteRequest:
     """The request's route key; ``views`` are the model's candidates (token mode reads their
     block size). A big body's tokenization runs in a thread (`route_key_now` there).
+    ``cache_model``: the name its blocks are keyed under (`Registry.cache_name`), when it is
+    not ``model`` (the served name, which picks the tokenizer).
     ``session_scope``: the tenant's name (`Tenant.session_scope`), which keeps its session ids
     apart from every other tenant's, shared ones included; None scopes them by ``namespace``:
     each isolated tenant apart, the shared tenants together."""
@@ -127,7 +130,7 @@ async def route_key(
         options=options,
         is_chat=is_chat,
         data=data,
-        model=model,
+        model=cache_model or model,
         namespace=namespace,
         session_id=session_id_from(headers, data, session_header),
         tenant_priority=tenant_priority,

@@ -122,6 +122,8 @@ class Registry:
         # Every model any current worker has ever reported: tells "unknown model" (404) apart
         # from "known model, nobody healthy serves it right now" (503).
         self._known_models: dict[str, frozenset[str]] = {}
+        # Served name -> the name its prompts' KV blocks are keyed under (`cache_name`).
+        self.cache_names: dict[str, str] = {}
         self.sync(specs)
 
     KNOBS = frozenset(
@@ -174,6 +176,8 @@ class Registry:
                 if cur.spec.url != spec.url:  # a different server: start over
                     self.workers[name] = Worker(spec, draining=cur.draining)
                     self._known_models.pop(name, None)
+                    if cur.model_cards:
+                        self._index_cache_names()
                     removed.append(name)
                     added.append(name)
                 else:
@@ -188,7 +192,29 @@ class Registry:
 
     def remove(self, name: str) -> bool:
         self._known_models.pop(name, None)
-        return self.workers.pop(name, None) is not None
+        gone = self.workers.pop(name, None)
+        if gone is not None and gone.model_cards:
+            self._index_cache_names()
+        return gone is not None
+
+    def cache_name(self, model: str) -> str:
+        """The name a request for ``model`` keys its prompt's KV blocks under: the model's
+        weights (its cards' `root`) where every worker listing the name agrees on them, else the
+        name. vLLM serves one model under all its `--served-model-name`s and caches one set of
+        blocks for them (the name is not in its block hash), and publishes its KV events
+        without a name: keyed by the served name, requests under an alias never matched the
+        events (or the prefixes) of the same worker under its other name."""
+        return self.cache_names.get(model, model)
+
+    def _index_cache_names(self) -> None:
+        roots: dict[str, set[str]] = {}
+        for w in self.workers.values():
+            for mid, card in w.model_cards.items():
+                root = card.get("root")
+                # A LoRA adapter (a parent) keys its blocks under its own name, as vLLM does.
+                ok = isinstance(root, str) and root and not card.get("parent")
+                roots.setdefault(mid, set()).add(root if ok else mid)  # type: ignore[arg-type]
+        self.cache_names = {m: next(iter(r)) if len(r) == 1 else m for m, r in roots.items()}
 
     # -- drain -------------------------------------------------------------------------------
     def drain(self, name: str, draining: bool = True) -> bool:
@@ -303,8 +329,11 @@ class Registry:
     ) -> None:
         w.last_probe_at = self.clock()
         if cards is not None:
-            w.model_cards = {str(c["id"]): c for c in cards}
-            w.models = frozenset(w.model_cards)
+            got = {str(c["id"]): c for c in cards}
+            if got != w.model_cards:
+                w.model_cards = got
+                w.models = frozenset(got)
+                self._index_cache_names()
             self._known_models[w.name] = w.models
         if metrics is not None:
             w.metrics = metrics

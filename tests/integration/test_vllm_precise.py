@@ -112,7 +112,8 @@ async def _settled(g: RunningGateway, fleet: VllmFleet) -> dict[str, set[int]]:
     while True:
         want = {
             w.name: expected_keys(
-                await asyncio.to_thread(replay_all, w.kv_events_replay_port), MODEL
+                await asyncio.to_thread(replay_all, w.kv_events_replay_port),
+                g.gw.registry.cache_name(MODEL),  # vLLM's `root`: one key for every alias
             )
             for w in fleet.workers
         }
@@ -146,7 +147,10 @@ async def test_precise_index_is_what_vllm_reported_and_predicts_cached_tokens(
             )
         ids = r.json()["tokens"]
         prompt_keys = chain_hashes_tokens(
-            ids, block_size=BLOCK_SIZE, seed=seed_for(MODEL, "", ""), max_blocks=10_000
+            ids,
+            block_size=BLOCK_SIZE,
+            seed=seed_for(g.gw.registry.cache_name(MODEL), "", ""),
+            max_blocks=10_000,
         )
         assert len(prompt_keys) >= 5
         assert set(prompt_keys) <= held[owner]
