@@ -647,6 +647,10 @@ class Gateway:
                     }
                 },
             )
+            if ticket is not None and ticket.admission is not None:
+                # Every response says the key's budget (README), errors after admission too: a
+                # client backing off after a worker's 5xx reads what it has left here.
+                return e.response({**ticket.admission.headers(), **echo})
             return e.response(echo)
         except Exception:
             # A bug must still answer in the envelope and give back what it took.

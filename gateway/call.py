@@ -31,16 +31,30 @@ class Usage:
 
     @classmethod
     def from_json(cls, u: Any) -> Usage | None:
+        """The worker's usage, or None when it is not one a charge can be computed from
+        (missing, or counts that are not non-negative integers: a negative count had made the
+        charge negative and the settlement raise after its ticket was done, holding the lease).
+        Cached tokens are at most the prompt's."""
         if not isinstance(u, dict):
             return None
         details = u.get("prompt_tokens_details") or {}
-        return cls(
-            prompt_tokens=int(u.get("prompt_tokens") or 0),
-            completion_tokens=int(u.get("completion_tokens") or 0),
-            cached_tokens=int(details.get("cached_tokens") or 0)
-            if isinstance(details, dict)
-            else 0,
-        )
+        prompt = _count(u.get("prompt_tokens"))
+        completion = _count(u.get("completion_tokens"))
+        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        if prompt is None or completion is None or cached is None:
+            return None
+        return cls(prompt, completion, min(cached, prompt))
+
+
+def _count(v: Any) -> int | None:
+    """A token count: a non-negative int (null or absent: 0), else None."""
+    if v is None:
+        return 0
+    if type(v) is int and v >= 0:
+        return v
+    if type(v) is float and v >= 0 and v.is_integer():
+        return int(v)
+    return None
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.quota import (
     Admission,
     QuotaStore,
+    QuotaStoreError,
     QuotaStoreUnavailable,
     Reservation,
     TenantLimits,
@@ -142,9 +143,11 @@ class QuotaGate:
                     await self._replay_tenant(tenant.name)
                 adm = await self.shared.admit(res)
                 self.breaker.record_success(time.monotonic())
-            except QuotaStoreUnavailable as e:
+            except QuotaStoreError as e:
+                # Any store failure, an outage's or not (a reply no one classified): the
+                # tenant's store-failure mode answers, never a 500 for every limited request.
                 self.breaker.record_failure(time.monotonic())
-                log.warning("quota store unavailable: %s", str(e))  # text: see RelayResponse
+                _log_store_failure("quota store unavailable", e)
                 # The script may have run with its reply lost (a timeout, Redis killed after
                 # the write): a full refund for this id, replayed later, frees what it may hold
                 # and is a no-op on a store that never saw it.
@@ -214,8 +217,12 @@ class QuotaGate:
             return
         try:
             await _apply(t, actual, refund_all)
-        except QuotaStoreUnavailable as e:
+        except QuotaStoreError as e:
+            # Deferred whatever the failure: `t` is done, so an error escaping here would hold
+            # its lease and reservation until they expire (and cut the client's stream).
             self.breaker.record_failure(time.monotonic())
+            if not isinstance(e, QuotaStoreUnavailable):
+                _log_store_failure("settlement failed", e)
             self._defer(_Deferred(t, actual, refund_all), e)
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
@@ -259,7 +266,7 @@ class QuotaGate:
             rid, d = next(iter(self._deferred.items()))
             try:
                 await _apply(d.ticket, d.actual, d.refund_all)
-            except QuotaStoreUnavailable:
+            except QuotaStoreError:
                 self.breaker.record_failure(time.monotonic())
                 return
             self.breaker.record_success(time.monotonic())
@@ -268,7 +275,7 @@ class QuotaGate:
     async def _replay_tenant(self, tenant: str) -> None:
         """Settle a tenant's backlog before its next admission: otherwise the leases of its
         requests that finished during the outage still count against its `max_concurrent`
-        (a fault test saw a 429 right after Redis came back). Raises QuotaStoreUnavailable."""
+        (a fault test saw a 429 right after Redis came back). Raises QuotaStoreError."""
         for rid, d in [(k, v) for k, v in self._deferred.items() if v.ticket.tenant.name == tenant]:
             await _apply(d.ticket, d.actual, d.refund_all)
             self._replayed(rid, d)
@@ -281,6 +288,13 @@ class QuotaGate:
         m = self.metrics
         m.quota_deferred.labels("replayed").inc()
         m.quota_deferred_pending.set(len(self._deferred))
+
+
+def _log_store_failure(what: str, e: QuotaStoreError) -> None:
+    if isinstance(e, QuotaStoreUnavailable):
+        log.warning("%s: %s", what, str(e))  # text: see RelayResponse
+    else:  # not an outage the store module knows: worth a look
+        log.error("%s (unclassified store error): %s", what, str(e))
 
 
 async def _apply(t: Ticket, actual: int | None, refund_all: bool) -> None:

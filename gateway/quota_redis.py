@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from typing import Any, Literal
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import (
+    BusyLoadingError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.quota import (
@@ -226,17 +234,21 @@ return out
 """
 )
 
-# Server replies that mean "not now" rather than "your script is wrong".
-_UNAVAILABLE_PREFIXES = (
-    "LOADING",
-    "READONLY",
-    "MASTERDOWN",
-    "CLUSTERDOWN",
-    "TRYAGAIN",
-    "OOM",
-    "BUSY",
+# Server replies that mean "not now" rather than "your script is wrong": a replica demoted by a
+# failover (READONLY), a failed RDB save (MISCONF, writes stop), too few replicas (NOREPLICAS).
+# The code stands first in the reply (Redis 7), or after "Error running script ...: -" (Redis
+# 5/6 wrap a write refused inside a script): matched at the start only, a failover's READONLY
+# was a 500 for every limited request, and the settlements it refused kept their leases.
+_UNAVAILABLE = re.compile(
+    r"(?:^|: -)(?:LOADING|READONLY|MASTERDOWN|CLUSTERDOWN|TRYAGAIN|OOM|BUSY|MISCONF|NOREPLICAS)\b"
 )
+# redis-py strips the code from these replies and says it by the class instead.
+_UNAVAILABLE_CLASSES = (ReadOnlyError, BusyLoadingError, OutOfMemoryError)
 _TRANSPORT_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+
+
+def _unavailable(e: ResponseError) -> bool:
+    return isinstance(e, _UNAVAILABLE_CLASSES) or _UNAVAILABLE.search(str(e)) is not None
 
 
 class _Script:
@@ -310,7 +322,7 @@ class RedisQuotaStore:
         except ResponseError as e:
             if isinstance(e, NoScriptError):
                 raise
-            if str(e).startswith(_UNAVAILABLE_PREFIXES):
+            if _unavailable(e):
                 raise QuotaStoreUnavailable(f"redis at {self.url} cannot serve: {e}") from e
             raise
         except _TRANSPORT_ERRORS as e:

@@ -30,13 +30,16 @@ def charge(account: Account, call: Call) -> int | None:
     u = call.usage
     if u is not None:
         discount = account.tenant.cfg.cached_token_discount
-        return u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens)
+        return max(0, u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens))
     if call.stream and (call.events > 0 or call.outcome == "client_disconnect"):
         # Streamed so far, or nothing yet from a worker that had the prompt: a client that
         # hangs up before the first token still cost a prefill (free, it was a way to fire
         # unlimited prefills at a rate-limited key).
         return account.prompt_estimate + max(0, call.events - 2)
-    if not call.stream and call.outcome in CUT_OFF:
+    if not call.stream and (call.outcome in CUT_OFF or call.status == 200):
+        # Cut off while generating, or a whole answer that came without usage (a server that
+        # omits it, a proxy that strips it): generated, amount unknown. The reservation
+        # bounds it (the output cap is in it); charged nothing, such a key was unlimited.
         t = account.ticket
         return t.reserved if t is not None else account.tokens
     return None
