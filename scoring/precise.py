@@ -80,6 +80,18 @@ def _tier_bit(medium: str | None) -> int:
     return 1 if medium is None or medium in _GPU_MEDIA else 2
 
 
+def _chain(token_ids: Sequence[int], block_size: int, seed: int, n: int) -> list[int] | None:
+    """Keys of the ``n`` blocks of ``token_ids`` chained from ``seed``, or None if the ids do not
+    cover them (or do not pack as uint32)."""
+    if block_size <= 0 or len(token_ids) < n * block_size:
+        return None
+    try:
+        keys = chain_hashes_tokens(token_ids, block_size=block_size, seed=seed, max_blocks=n)
+    except (OverflowError, TypeError, ValueError):  # ids that do not pack as uint32
+        return None
+    return keys if len(keys) == n else None
+
+
 def _key_tiers(refs: int) -> int:
     return (1 if refs & _GPU_REFS else 0) | (2 if refs >> _OTHER_SHIFT else 0)
 
@@ -265,9 +277,12 @@ class PreciseIndex:
     ) -> int:
         """BlockStored: key the blocks from their tokens and record them; returns blocks recorded.
 
-        Blocks that cannot be keyed (parent engine hash unknown to this worker, too few token ids,
-        token ids that are not uint32) are skipped and counted in ``unkeyed``. An engine hash
-        already mapped keeps its key and only gains the tier.
+        An engine hash already mapped keeps its key and only gains the tier, so it needs no
+        tokens: vLLM's CPU-offload stores are by default placeholders (the hash, no token ids,
+        block size 0, no parent) of blocks the worker stored on GPU first. Blocks that cannot be
+        keyed (neither mapped nor keyable: parent engine hash unknown to this worker and no
+        mapped block before them in the event, too few token ids, ids that are not uint32) are
+        skipped and counted in ``unkeyed``.
         """
         slot = self._slot_of(worker, now)
         self.touch(worker, now)
@@ -275,25 +290,21 @@ class PreciseIndex:
         if n == 0:
             return 0
         e2k = self._e2k[slot]
+        keys = None
         if parent is None:
             seed = root_seed
         else:
             pv = e2k.get(parent)
-            if pv is None:
-                self.unkeyed[worker] = self.unkeyed.get(worker, 0) + n
+            seed = None if pv is None else pv & _MASK64
+        if seed is not None:
+            keys = _chain(token_ids, block_size, seed, n)
+        if keys is None:
+            hashes, keys = self._known_run(e2k, engine_hashes, token_ids, block_size)
+            if len(keys) < n:
+                self.unkeyed[worker] = self.unkeyed.get(worker, 0) + n - len(keys)
+            if not keys:
                 return 0
-            seed = pv & _MASK64
-        keys: list[int] = []
-        if block_size > 0 and len(token_ids) >= n * block_size:
-            try:
-                keys = chain_hashes_tokens(
-                    token_ids, block_size=block_size, seed=seed, max_blocks=n
-                )
-            except (OverflowError, TypeError, ValueError):  # ids that do not pack as uint32
-                keys = []
-        if len(keys) != n:
-            self.unkeyed[worker] = self.unkeyed.get(worker, 0) + n
-            return 0
+            engine_hashes = hashes
         tb = _tier_bit(medium)
         inc = 1 if tb == 1 else _OTHER
         refs = self._refs[slot]
@@ -321,7 +332,39 @@ class PreciseIndex:
                 holders[k] = m
         if self._pending:
             self._drop_pending(slot, keys)
-        return n
+        return len(keys)
+
+    @staticmethod
+    def _known_run(
+        e2k: dict[Hashable, int],
+        engine_hashes: Sequence[Hashable],
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> tuple[list[Hashable], list[int]]:
+        """The blocks of an event that cannot be keyed from its parent: those already mapped
+        (their keys), and after a leading run of them the rest, keyed from the run's last block
+        as their parent. (hashes, keys) of the blocks that can be recorded."""
+        hashes: list[Hashable] = []
+        keys: list[int] = []
+        n = len(engine_hashes)
+        i = 0
+        while i < n:
+            v = e2k.get(engine_hashes[i])
+            if v is None:
+                break
+            hashes.append(engine_hashes[i])
+            keys.append(v & _MASK64)
+            i += 1
+        if 0 < i < n and len(token_ids) >= n * block_size:
+            rest = _chain(token_ids[i * block_size :], block_size, keys[-1], n - i)
+            if rest is not None:
+                return [*hashes, *engine_hashes[i:]], keys + rest
+        for eh in engine_hashes[i:]:
+            v = e2k.get(eh)
+            if v is not None:
+                hashes.append(eh)
+                keys.append(v & _MASK64)
+        return hashes, keys
 
     def removed(
         self,

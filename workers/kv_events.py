@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from workers.kv_wire import KVEvent, KVEventDecodeError, decode_batch
+from workers.kv_wire import KVEvent, KVEventDecodeError, count_skipped, decode_batch
 
 __all__ = [
     "KVEventSink",
@@ -79,6 +79,36 @@ _END_SEQ = -1
 _INBOX_MAX = 50_000  # stream batches held while a replay runs; beyond it ZMQ's HWM takes over
 _RING = 4096  # how far back a repeated sequence can still be recognised as a duplicate
 _WARN_EVERY_S = 10.0
+# Work on the event loop is done in slices of about this long, then the loop gets a turn: a
+# replay of vLLM's whole buffer (10,000 batches by default) is seconds of decoding and indexing,
+# and every client stream and routing decision of the gateway waits on the same loop.
+_SLICE_S = 0.005
+# A batch is one engine step's events: even a 1M-token prefill step is ~4 MiB of msgpack (ids of
+# 3-5 bytes, a 9-byte hash per block). A bigger payload is not decoded (counted as a decode error,
+# its sequence kept), since decoding and indexing it would hold the loop for seconds.
+# (Setting to expose: kv_events_max_batch_bytes.)
+_MAX_BATCH_BYTES = 4 << 20
+# ZMQ's own limit (MAXMSGSIZE) on both sockets, for memory: a bigger message drops the connection
+# before it is buffered whole; the reconnect and the sequence check recover from it.
+_MAX_MSG_BYTES = 64 << 20
+# A replay answer is bounded in time as a whole, not only per reply (``replay_timeout_s``): a
+# publisher that keeps answering and never sends the end marker must not hold the worker's
+# intake (the stream waits in the inbox meanwhile). (Setting to expose:
+# kv_events_replay_deadline_s.)
+_REPLAY_DEADLINE_MIN_S = 5.0
+_REPLAY_DEADLINE_FACTOR = 4.0  # x replay_timeout_s, when that is more
+# ... and in size. vLLM buffers `buffer_steps` batches (10,000 by default); an answer with more is
+# cut to its newest batches, which are still a valid history (a shorter buffer's). The byte budget
+# keeps one worker's replay from holding the gateway's memory. (Settings to expose:
+# kv_events_replay_max_batches, kv_events_replay_max_bytes.)
+_REPLAY_MAX_BATCHES = 20_000
+_REPLAY_MAX_BYTES = 128 << 20
+# After a failed replay none is tried for a while (doubling per failure up to the maximum): each
+# try holds the worker's intake for up to its deadline, and one that just failed will likely fail
+# again. Meanwhile the worker runs as one without a replay endpoint (a gap resets).
+_REPLAY_BACKOFF_S = 5.0
+_REPLAY_BACKOFF_MAX_S = 120.0
+_STOP_RECANCEL_S = 1.0  # stop() cancels its tasks again at this interval until they are done
 
 _shared: zmq.asyncio.Context | None = None
 
@@ -145,7 +175,13 @@ class KVEventSubscriber:
         self._synced = False  # the publisher's history is in (a replay from 0 succeeded)
         self._lost_connection = False  # disconnected since the last successful sync
         self._live: bool | None = None
-        self._skipped: Counter[str] = Counter()
+        # Held state not yet verified since a reconnect (no replay could tell): not live until a
+        # batch on the new connection shows whether the sequence went on (see _on_control).
+        self._verify = False
+        self._replay_after = 0.0  # monotonic: no replay before (backoff after a failure)
+        self._replay_backoff = 0.0
+        self._skipped: Counter[str] = Counter()  # bounded per tag (kv_wire.count_skipped)
+        self._tally: Counter[str] = Counter()  # this batch's skips, empty between batches
         self._warned: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle
@@ -171,6 +207,7 @@ class KVEventSubscriber:
             # Heartbeats notice a publisher host that vanished without closing the connection.
             sub.setsockopt(zmq.HEARTBEAT_IVL, 5000)
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+            sub.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
             mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
             sub.connect(self.endpoint)
@@ -198,18 +235,27 @@ class KVEventSubscriber:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
-        self._close_sockets(sub, mon)
-        self._inbox.clear()
-        self._control.clear()
-        self.stats.connected = False
-        if self._last is not None:
-            self._lost_connection = True  # a later start() must check it is the same publisher
-        self._set_live(False)
+        pending = set(tasks)
+        try:
+            # Cancelled again until done: a cancel can be swallowed (3.11's wait_for drops one
+            # that lands when its inner future is done, gh-86296), and a task that lost its
+            # cancel would otherwise leave stop() and its caller (a config sync under the
+            # gateway's lock, shutdown) waiting for good.
+            while pending:
+                for t in pending:
+                    t.cancel()
+                _done, pending = await asyncio.wait(pending, timeout=_STOP_RECANCEL_S)
+                if pending:
+                    self._warn("stop", "%d task(s) still running after cancel", len(pending))
+        finally:
+            sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
+            self._close_sockets(sub, mon)
+            self._inbox.clear()
+            self._control.clear()
+            self.stats.connected = False
+            if self._last is not None:
+                self._lost_connection = True  # a later start() must check it is the publisher
+            self._set_live(False)
 
     def resync(self, reason: str) -> None:
         """Void what the sink holds for this worker and rebuild it from the replay buffer.
@@ -293,6 +339,8 @@ class KVEventSubscriber:
 
     async def _process(self) -> None:
         assert self._wake is not None and self._room is not None
+        me = asyncio.current_task()
+        assert me is not None
         try:
             if self.replay_endpoint is not None:
                 if self._last is None:
@@ -303,23 +351,30 @@ class KVEventSubscriber:
             raise
         except Exception:
             log.exception("kv events %s: initial sync failed", self.worker)
+        inbox, control, room = self._inbox, self._control, self._room
         while True:
+            if me.cancelling():  # a cancel swallowed on the way: do not wait on for good
+                raise asyncio.CancelledError
             await self._wake.wait()
             self._wake.clear()
-            while self._control or self._inbox:
+            pause_at = time.perf_counter() + _SLICE_S
+            while control or inbox:
                 try:
-                    if self._control:
-                        kind, arg = self._control.popleft()
+                    if control:
+                        kind, arg = control.popleft()
                         await self._on_control(kind, arg)
                     else:
-                        seq, payload = self._inbox.popleft()
-                        if not self._room.is_set() and len(self._inbox) < _INBOX_MAX // 2:
-                            self._room.set()
+                        seq, payload = inbox.popleft()
+                        if not room.is_set() and len(inbox) < _INBOX_MAX // 2:
+                            room.set()
                         await self._on_message(seq, payload)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("kv events %s: failed to handle an update", self.worker)
+                if time.perf_counter() >= pause_at:  # a long backlog: let the loop breathe
+                    await asyncio.sleep(0)
+                    pause_at = time.perf_counter() + _SLICE_S
 
     # ----------------------------------------------------------------- processing
 
@@ -336,7 +391,16 @@ class KVEventSubscriber:
         elif kind == "connected":
             if self.replay_endpoint is not None and (self._lost_connection or not self._synced):
                 await self._reconnect_sync()
-            self._set_live(True)
+            elif self._lost_connection and self._holds_state():
+                self._lost_connection = False
+                # No replay to compare with: the publisher may have restarted behind the same
+                # address (its cache empty) or evicted blocks while we were away (PUB drops
+                # what it sends to no one). Not trusted until its next batch tells, by its
+                # sequence number: the next one (kept), a restart or a gap (reset). Not a reset
+                # right away: vLLM announces a block once, when it is computed, so a cleared
+                # index would under-claim a still-cached hot prefix for as long as it stays hot.
+                self._verify = True
+            self._set_live(not self._verify)
 
     async def _on_message(self, seq: int, payload: bytes) -> None:
         if self._lost_connection and self.replay_endpoint is not None:
@@ -344,6 +408,7 @@ class KVEventSubscriber:
             # reconnect check can tell a restarted publisher whose sequence has already passed
             # ours (which would pass for a gap and be "filled" from the wrong history).
             await self._reconnect_sync()
+        self._verify = False  # this batch tells where the sequence is (see _on_control)
         digest = hash(payload)
         action = self._ingest(seq, payload, digest)
         if action == "gap":
@@ -398,24 +463,34 @@ class KVEventSubscriber:
             self._ingest(seq, payload, digest)
 
     def _apply(self, seq: int, payload: bytes, digest: int) -> None:
-        try:
-            _ts, events, _rank = decode_batch(payload, skipped=self._skipped)
-        except KVEventDecodeError as e:
-            # Counted and passed over: a lost batch can only leave stale entries, which the
-            # next store or eviction of those blocks corrects.
+        # An undecodable or oversized batch is counted and passed over: a lost batch can only
+        # leave stale entries, which the next store or eviction of those blocks corrects.
+        events: list[KVEvent] | None = None
+        tally = self._tally
+        if len(payload) > _MAX_BATCH_BYTES:
             self.stats.decode_errors += 1
-            self._warn("decode", "undecodable batch seq %d: %s", seq, e)
-            events = None
+            self._warn(
+                "oversized",
+                "batch seq %d of %d bytes not decoded (limit %d)",
+                seq,
+                len(payload),
+                _MAX_BATCH_BYTES,
+            )
+        else:
+            try:
+                _ts, events, _rank = decode_batch(payload, skipped=tally)
+            except KVEventDecodeError as e:
+                self.stats.decode_errors += 1
+                self._warn("decode", "undecodable batch seq %d: %s", seq, e)
+                tally.clear()
         self._last = self.stats.last_seq = seq
         if self._ring_from is None:
             self._ring_from = seq
         self._ring[seq % _RING] = digest
         if events is None:
             return
-        skipped = self._skipped.total()
-        if skipped != self.stats.skipped_events:
-            self.stats.skipped_events = skipped
-            self._warn("skipped", "skipping unknown event types %s", dict(self._skipped))
+        if tally:
+            self._note_skipped(tally)
         self.stats.batches += 1
         self.stats.events += len(events)
         if not events:
@@ -424,6 +499,17 @@ class KVEventSubscriber:
             self.sink.apply(self.worker, events)
         except Exception:
             log.exception("kv events %s: sink failed on seq %d", self.worker, seq)
+
+    def _note_skipped(self, tally: Counter[str]) -> None:
+        """Unknown event types of one batch: into the running total and the (bounded) table."""
+        for tag, n in tally.items():
+            self.stats.skipped_events += n
+            count_skipped(self._skipped, tag, n)
+        tally.clear()
+        if self._warn_due("skipped"):
+            log.warning(
+                "kv events %s: skipping unknown event types %s", self.worker, dict(self._skipped)
+            )
 
     def _seen(self, seq: int, digest: int) -> bool:
         last, first = self._last, self._ring_from
@@ -435,11 +521,15 @@ class KVEventSubscriber:
             and self._ring[seq % _RING] == digest
         )
 
+    def _holds_state(self) -> bool:
+        """The sink holds something of this publisher's (batches applied since the last reset)."""
+        return self._last is not None and self._last >= 0
+
     def _reset(self, reason: str) -> None:
         self.stats.resets += 1
         self._last = self.stats.last_seq = None
         self._ring_from = None
-        self._synced = False
+        self._synced = self._verify = False
         try:
             self.sink.reset(self.worker, reason)
         except Exception:
@@ -454,12 +544,23 @@ class KVEventSubscriber:
         except Exception:
             log.exception("kv events %s: sink set_live failed", self.worker)
 
-    def _apply_history(self, batches: list[tuple[int, bytes]]) -> None:
+    async def _apply_history(self, batches: Sequence[tuple[int, bytes]]) -> None:
         if not batches and self._last is None:
             # Nothing published yet: the very next batch must be seq 0, or it is a gap.
             self._last = self.stats.last_seq = -1
+        await self._ingest_all(batches)
+
+    async def _ingest_all(self, batches: Sequence[tuple[int, bytes]], after: int = -2) -> None:
+        """``_ingest_final`` of each batch past ``after``, in slices: the event loop gets a turn
+        every ``_SLICE_S`` (only this task touches the sequence state and the sink, so nothing
+        else can see or change it half-way)."""
+        pause_at = time.perf_counter() + _SLICE_S
         for seq, payload in batches:
-            self._ingest_final(seq, payload, hash(payload))
+            if seq > after:
+                self._ingest_final(seq, payload, hash(payload))
+            if time.perf_counter() >= pause_at:
+                await asyncio.sleep(0)
+                pause_at = time.perf_counter() + _SLICE_S
 
     # ----------------------------------------------------------------- replays
 
@@ -469,8 +570,8 @@ class KVEventSubscriber:
         batches = await self._fetch(0)
         if batches is None:
             return  # live again with the next in-order batch from the stream
-        self._apply_history(batches)
-        self._synced, self._lost_connection = True, False
+        await self._apply_history(batches)
+        self._synced, self._lost_connection, self._verify = True, False, False
         self._set_live(True)
 
     async def _gap_sync(self, start: int) -> None:
@@ -481,8 +582,7 @@ class KVEventSubscriber:
             return
         # A buffer that no longer reaches back to `start` shows up as a gap on its first batch,
         # which _ingest_final turns into reset("gap") before applying the rest.
-        for seq, payload in batches:
-            self._ingest_final(seq, payload, hash(payload))
+        await self._ingest_all(batches)
 
     async def _reconnect_sync(self) -> None:
         """After a reconnect the publisher may be the same process (fill in what we missed) or a
@@ -493,84 +593,145 @@ class KVEventSubscriber:
         self._set_live(False)
         batches = await self._fetch(0)
         if batches is None:
+            # Neither the same publisher nor a new one can be told: what the sink holds is not
+            # trusted until the stream's next batch shows (see _on_control).
+            self._verify = self._holds_state()
             return
         last = self._last
         if last is None or last < 0 or self._ring_from is None:
-            self._apply_history(batches)
+            await self._apply_history(batches)
         else:
             ours = next((p for s, p in batches if s == last), None)
             if ours is not None and self._seen(last, hash(ours)):
-                for seq, payload in batches:
-                    if seq > last:
-                        self._ingest_final(seq, payload, hash(payload))
+                await self._ingest_all(batches, after=last)
             elif ours is not None or not batches or batches[-1][0] < last:
                 log.info("kv events %s: new publisher after reconnect", self.worker)
                 self._reset("restart")
-                self._apply_history(batches)
+                await self._apply_history(batches)
             else:
                 log.info("kv events %s: missed more than the replay buffer holds", self.worker)
                 self.stats.gaps += 1
                 self._reset("gap")
-                self._apply_history(batches)
-        self._synced = True
+                await self._apply_history(batches)
+        self._synced, self._verify = True, False
         self._set_live(True)
 
-    async def _fetch(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def _fetch(self, start: int) -> Sequence[tuple[int, bytes]] | None:
         """The publisher's buffered batches from ``start`` on, or None if it did not answer.
 
-        ``replay_timeout_s`` bounds each wait (connect, every reply), not the whole transfer: a
-        full buffer of 10k batches may take longer than one timeout to stream.
+        ``replay_timeout_s`` bounds each wait (connect, every reply); the whole answer is
+        bounded too, in time (a deadline past which it failed) and in size (only its newest
+        ``_REPLAY_MAX_BATCHES`` batches, ``_REPLAY_MAX_BYTES`` bytes are kept). After a failure
+        no replay is tried until a backoff has passed (None at once meanwhile).
         """
         assert self.replay_endpoint is not None
+        now = time.monotonic()
+        if now < self._replay_after:
+            self._warn(
+                "replay-backoff",
+                "no replay for %.0fs after a failed one: gaps reset",
+                self._replay_after - now,
+            )
+            return None
         self.stats.replays += 1
         ctx = self._ctx or _context()
         sock = ctx.socket(zmq.DEALER)
         timeout = self.replay_timeout_s
-        out: list[tuple[int, bytes]] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(_REPLAY_DEADLINE_MIN_S, _REPLAY_DEADLINE_FACTOR * timeout)
+        out: deque[tuple[int, bytes]] = deque()
+        size = got = 0
+        prev = start - 1
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
             sock.connect(self.replay_endpoint)
-            await asyncio.wait_for(sock.send_multipart([b"", _SEQ.pack(start)]), timeout)
-            while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), timeout)
-                # [b"", topic, seq, payload] (0.32) or [b"", seq, payload] (older servers).
-                if len(frames) == 4:
-                    seq_frame, payload = frames[2], frames[3]
-                elif len(frames) == 3:
-                    seq_frame, payload = frames[1], frames[2]
-                else:
-                    raise _ReplayError(f"reply of {len(frames)} frames")
-                seq = _parse_seq(seq_frame)
-                if seq is None:
-                    raise _ReplayError("reply without an 8-byte sequence")
-                if seq == _END_SEQ:
-                    break
-                out.append((seq, payload))
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands when
+            # the inner future is done, which is nearly always mid-transfer (gh-86296).
+            async with asyncio.timeout(timeout) as tm:
+                await sock.send_multipart([b"", _SEQ.pack(start)])
+                pause_at = time.perf_counter() + _SLICE_S
+                while True:
+                    tm.reschedule(min(loop.time() + timeout, deadline))
+                    # Done at once while replies queue up, so the loop gets turns below.
+                    frames = await sock.recv_multipart()
+                    # [b"", topic, seq, payload] (0.32) or [b"", seq, payload] (older servers).
+                    if len(frames) == 4:
+                        seq_frame, payload = frames[2], frames[3]
+                    elif len(frames) == 3:
+                        seq_frame, payload = frames[1], frames[2]
+                    else:
+                        raise _ReplayError(f"reply of {len(frames)} frames")
+                    seq = _parse_seq(seq_frame)
+                    if seq is None:
+                        raise _ReplayError("reply without an 8-byte sequence")
+                    if seq == _END_SEQ:
+                        break
+                    if seq <= prev:
+                        raise _ReplayError(f"seq {seq} after {prev} (asked from {start})")
+                    prev = seq
+                    got += 1
+                    out.append((seq, payload))
+                    size += len(payload)
+                    while len(out) > _REPLAY_MAX_BATCHES or size > _REPLAY_MAX_BYTES:
+                        size -= len(out.popleft()[1])
+                    if time.perf_counter() >= pause_at:
+                        await asyncio.sleep(0)
+                        pause_at = time.perf_counter() + _SLICE_S
         except asyncio.CancelledError:
             raise
         except (TimeoutError, zmq.ZMQError, _ReplayError) as e:
-            self.stats.replay_failures += 1
-            why = "timed out" if isinstance(e, TimeoutError) else str(e)
+            if not isinstance(e, TimeoutError):
+                why = str(e)
+            elif loop.time() >= deadline:
+                why = f"no end after {len(out)} kept batches by its deadline"
+            else:
+                why = "timed out"
+            self._replay_failed()
             self._warn(
                 "replay", "replay from %d via %s failed: %s", start, self.replay_endpoint, why
             )
             return None
         except Exception:
-            self.stats.replay_failures += 1
+            self._replay_failed()
             log.exception("kv events %s: replay from %d failed", self.worker, start)
             return None
         finally:
             sock.close(linger=0)
+        self._replay_backoff = 0.0
+        if got > len(out):
+            self._warn(
+                "replay-cut",
+                "replay from %d of %d batches cut to its newest %d (%d bytes)",
+                start,
+                got,
+                len(out),
+                size,
+            )
         log.debug("kv events %s: replayed %d batches from %d", self.worker, len(out), start)
         return out
 
+    def _replay_failed(self) -> None:
+        self.stats.replay_failures += 1
+        b = self._replay_backoff
+        self._replay_backoff = b = (
+            _REPLAY_BACKOFF_S if b <= 0 else min(2 * b, _REPLAY_BACKOFF_MAX_S)
+        )
+        self._replay_after = time.monotonic() + b
+
     # ----------------------------------------------------------------- helpers
 
-    def _warn(self, key: str, msg: str, *args: object) -> None:
-        """Warnings that can repeat per batch, at most once per key every few seconds."""
+    def _warn_due(self, key: str) -> bool:
+        """Whether a warning of ``key`` may be logged now (at most once every few seconds)."""
         now = time.monotonic()
         if now - self._warned.get(key, -math.inf) >= _WARN_EVERY_S:
             self._warned[key] = now
+            return True
+        return False
+
+    def _warn(self, key: str, msg: str, *args: object) -> None:
+        """Warnings that can repeat per batch, at most once per key every few seconds."""
+        if self._warn_due(key):
             log.warning("kv events %s: " + msg, self.worker, *args)
 
     @staticmethod

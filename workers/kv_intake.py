@@ -88,6 +88,15 @@ class PreciseSink:
         groups = self._groups.get(worker, _PLAIN_GROUPS)
         for ev in events:
             if isinstance(ev, BlockStored):
+                if not ev.block_size and not ev.token_ids:
+                    # vLLM's offload placeholder (OffloadingConnector with its default
+                    # self_describing_kv_events off): a block the worker stored on GPU now also
+                    # in ``medium``, by engine hash alone. It only adds a tier to a block already
+                    # indexed, so it needs no model or block size; and it names no cache kind, so
+                    # its group decides, as for a removal (the same hash is in every group).
+                    if ev.group_idx in groups:
+                        idx.stored(worker, ev.engine_hashes, None, (), 0, 0, ev.medium, now)
+                    continue
                 if not ev.is_full_attention:
                     # hybrid models: only full attention is prefix KV
                     self.skips[(worker, SKIP_NOT_FULL_ATTENTION)] += 1

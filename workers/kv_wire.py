@@ -21,12 +21,15 @@ import msgpack
 
 __all__ = [
     "FULL_ATTENTION",
+    "SKIP_TAGS_MAX",
+    "SKIP_TAG_OTHER",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "EngineHash",
     "KVEvent",
     "KVEventDecodeError",
+    "count_skipped",
     "decode_batch",
     "encode_batch",
 ]
@@ -38,6 +41,12 @@ FULL_ATTENTION = "full_attention"
 # window, chunked-local or mamba group keeps only recent state, not a reusable prefix.
 PREFIX_KINDS = frozenset({FULL_ATTENTION, "mla_attention", "sink_full_attention"})
 Layout: TypeAlias = Literal["0.32", "0.11"]
+# Unknown event types are counted by tag, but a publisher can name every event differently (a
+# hostile one, or a skewed version with an id in the tag): the first SKIP_TAGS_MAX tags are kept
+# by name (cut to _SKIP_TAG_LEN characters), every other one under SKIP_TAG_OTHER.
+SKIP_TAGS_MAX = 32
+SKIP_TAG_OTHER = "<other>"
+_SKIP_TAG_LEN = 64
 
 
 # --------------------------------------------------------------------------- events
@@ -265,13 +274,23 @@ _FROM_ARRAY: dict[str, Callable[[Any], KVEvent]] = {
 }
 
 
+def count_skipped(table: Counter[str], tag: str, n: int = 1) -> None:
+    """Counts ``n`` events of the unknown type ``tag`` into ``table``, which stays bounded: at
+    most ``SKIP_TAGS_MAX`` tags by name plus ``SKIP_TAG_OTHER``."""
+    tag = tag[:_SKIP_TAG_LEN]
+    if tag not in table and len(table) >= SKIP_TAGS_MAX:
+        tag = SKIP_TAG_OTHER
+    table[tag] += n
+
+
 def decode_batch(
     payload: bytes | bytearray | memoryview, *, skipped: Counter[str] | None = None
 ) -> tuple[float, list[KVEvent], int | None]:
     """``(ts, events, data_parallel_rank)`` of one published batch, either layout.
 
     Event types this module does not know are left out (counted into ``skipped`` by type when
-    given) so a newer vLLM that adds one does not blind the index to the types it does know.
+    given, bounded as ``count_skipped`` does) so a newer vLLM that adds one does not blind the
+    index to the types it does know.
     """
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -302,7 +321,7 @@ def decode_batch(
         decode = table.get(tag)
         if decode is None:
             if skipped is not None:
-                skipped[tag] += 1
+                count_skipped(skipped, tag)
             continue
         try:
             out.append(decode(ev))

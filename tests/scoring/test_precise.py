@@ -460,11 +460,18 @@ def test_random_operations_agree_with_a_naive_model() -> None:
                     counter += 1
                     hashes.append(counter)
             got = idx.stored(w, hashes, parent, prompts[pi][first * BS :], BS, SEED, medium)
+            keyed = list(range(n))
             if parent == -1:
-                assert got == 0
-                continue
-            assert got == n
-            for eh, key in zip(hashes, chains[pi][first : first + n], strict=True):
+                # No parent to key from: the hashes the worker already maps only gain the tier,
+                # and after a leading run of them the rest is keyed from the run's last block.
+                run = 0
+                while run < n and hashes[run] in model[w]:
+                    run += 1
+                if not 0 < run < n:
+                    keyed = [j for j in range(n) if hashes[j] in model[w]]
+            assert got == len(keyed)
+            for j in keyed:
+                eh, key = hashes[j], chains[pi][first + j]
                 k, tiers = model[w].get(eh, (key, set()))
                 model[w][eh] = (k, tiers | {tb})
         elif op < 0.8 and model[w]:
@@ -530,3 +537,44 @@ def test_memory_per_entry_stays_within_the_documented_figure() -> None:
 
     assert measure(1) < 330  # unshared: see the module docstring
     assert measure(4) < 230  # the key shared by 4 workers
+
+
+# -- stores of blocks the worker already maps (vLLM's offload placeholders) -------------------
+def test_a_placeholder_store_of_known_hashes_adds_the_tier_without_tokens() -> None:
+    # vLLM 0.32's OffloadingConnector (self_describing_kv_events off, its default) stores each
+    # offloaded block as the engine hash alone: no token ids, block size 0, no parent.
+    idx = live_index("a")
+    toks = prompt(4)
+    h = ehs(4)
+    store_prompt(idx, "a", toks, h)
+    for x in h[:3]:
+        assert idx.stored("a", [x], None, [], 0, 0, medium="CPU") == 1
+    assert idx.unkeyed == {}
+    c = chain(toks)
+    assert idx.removed("a", h, medium="GPU") == 1  # the one never offloaded leaves
+    assert idx.size("a") == 3
+    assert idx.match(c, now=0.0) == {"a": 1}  # 3 blocks off GPU only: 3 * 0.5
+    assert idx.removed("a", h[:3], medium="CPU") == 3
+    assert idx.size("a") == 0 and idx._holders == {} and idx._offl == 0
+
+
+def test_a_placeholder_of_an_unknown_hash_is_unkeyed_and_known_ones_still_count() -> None:
+    idx = live_index("a")
+    toks = prompt(2)
+    h = ehs(2)
+    store_prompt(idx, "a", toks, h[:1])
+    assert idx.stored("a", [h[1], h[0]], None, [], 0, 0, medium="CPU") == 1
+    assert idx.unkeyed == {"a": 1}
+    assert idx.key_of("a", h[0]) == chain(toks)[0] and idx.key_of("a", h[1]) is None
+
+
+def test_an_event_whose_leading_blocks_are_known_keys_the_rest_from_them() -> None:
+    # A parent this worker does not know (or none), but the event's first blocks are mapped:
+    # the blocks after them are keyed with the last of them as their parent.
+    idx = live_index("a")
+    toks = prompt(5)
+    h = ehs(5)
+    store_prompt(idx, "a", toks, h[:2])
+    assert store_prompt(idx, "a", toks, h, parent=12345) == 5
+    assert [idx.key_of("a", x) for x in h] == chain(toks)
+    assert idx.unkeyed == {} and idx.match(chain(toks), now=0.0) == {"a": 5}
