@@ -77,9 +77,23 @@ tests/gateway/test_cluster_backlog.py). So:
   copy, which is harmless (recording a chain twice changes nothing; a session's note only wins
   over an older turn); this version takes an older publisher's entries, which have no ``s``;
 - a read's COUNT follows the entries' size (about ``LEARNED_READ_BYTES`` a read, one entry after
-  a failed read), and what it returned is replayed at most ``LEARNED_APPLY_MAX`` dispatches a
-  sync, yielding the event loop every ``LEARNED_APPLY_CHUNK``: a backlog (a warm start, peers
-  publishing theirs) is caught up over several syncs, never in one stall of the event loop.
+  a failed read), and what it returned is replayed at most ``LEARNED_APPLY_MAX`` dispatches and
+  ``LEARNED_APPLY_KEYS`` keys a sync, yielding the event loop every ``LEARNED_APPLY_CHUNK``
+  dispatches or ``LEARNED_CHUNK_KEYS`` keys (inside a stream entry too: one of KV-event mode
+  dispatches holds ~125k keys): a backlog (a warm start, peers publishing theirs) is caught up
+  over several syncs, never in one stall of the event loop.
+
+What is replayed must stay true, and the same on every replica:
+- a worker restarts with an empty cache, and routing forgets it (`gateway.app` on a new
+  ``process_start``). A note from before that must not teach it back: readers skip notes from
+  before ``RoutingState.forgot_at`` (a peer's outage backlog), and notes whose epoch time (the
+  stream id's, less the time from dispatch to publish) is before the worker's current process
+  start (a warm start's history; NTP-synced hosts, ``LEARNED_RESTART_SLACK_S``). No wire change.
+  Notes taken while a worker's start is unknown are checked once it is (`_verify_starts`), and a
+  started replica reads the history after the first probes (`_starts_known`);
+- session turns are resolved in the stream's order when concurrent (`SessionTable.learn`), an
+  order every replica reads the same, so a replica also reads back its own entries, for their
+  session notes only.
 
 Liveness is judged on each reader's own clock (`workers.load_view`): a peer whose sequence number
 has not moved for ``expiry_s`` counts for nothing, and readers delete its field. Redis down: every
@@ -128,7 +142,24 @@ LEARNED_READ_BYTES = 4 << 20  # what one read aims at: its COUNT follows the ent
 LEARNED_READ_MAX = 64  # stream entries per read, at most
 LEARNED_READ_START = 4  # ... at a start (the history may hold another replica's backlog)
 LEARNED_APPLY_MAX = 4096  # dispatches replayed per sync; the rest wait for the next syncs
-LEARNED_APPLY_CHUNK = 512  # ... yielding the event loop in between (~2-5 ms of work each)
+# ... and keys (chain entries + KV-event worker blocks: ~0.6-0.8 us each to replay, either kind),
+# which is what a replay costs: a text-mode dispatch carries <= 64, a KV-event one of a 32k-token
+# prompt 2048. Per sync, the text-mode budget of 4096 x 64 keys (~0.15-0.2 s of work, yielding).
+LEARNED_APPLY_KEYS = LEARNED_APPLY_MAX * 64
+LEARNED_APPLY_CHUNK = 512  # dispatches replayed between two yields of the event loop, at most
+LEARNED_CHUNK_KEYS = 16_384  # ... and keys (~10-15 ms of work), one stream entry split if need be
+# A peer's note is placed on the epoch scale by its stream id (Redis' clock) and compared with the
+# worker's process_start_time_seconds (its host's clock): notes before start + this slack (+ the
+# publish timeout, by which a stream id can trail the dispatch) are about an earlier process. It
+# covers NTP skew and the start time's own error (Linux derives it from a boot time in whole
+# seconds); a vLLM server loads its model for far longer than this before its first request.
+LEARNED_RESTART_SLACK_S = 2.0
+# A started replica waits this long at most for every worker's first probe before it reads the
+# stream's history, so that it can judge which notes are about a worker's current process.
+LEARNED_PROBE_WAIT_S = 5.0
+# Session turns of one session this close together (seconds) are concurrent: the note later in the
+# stream wins on every replica (`SessionTable.learn`); at least 4 publish intervals.
+LEARNED_CONCURRENT_S = 1.0
 # Outbox bytes allowed per ``learned_journal_max`` dispatch: the ~1 KB the option documents. A
 # text-mode dispatch packs to ~0.2-0.6 KB, so the count binds there; a KV-event one to ~8 bytes a
 # worker block (16 KB for a 32k-token prompt), where the bytes bind.
@@ -252,10 +283,20 @@ class ClusterSync:
         self._batch_seq = 0
         # Reading: stream payloads read, with when each was published on this replica's clock,
         # waiting to be replayed; the batch being replayed, where it stands, and its chains' use.
-        self._inbox: deque[tuple[bytes, float]] = deque()
+        # (payload, published on this clock, its stream id's epoch seconds, this replica's own)
+        self._inbox: deque[tuple[bytes, float, float, bool]] = deque()
         self._replaying: list[Learned] = []
         self._replayed = 0
         self._replay_chains = True
+        self._replay_own = False  # the batch being replayed is this replica's own, read back
+        self._replay_epoch = 0.0  # its notes' epoch seconds less their time on this clock
+        # Worker -> the epoch time of the earliest note applied while its process start was
+        # unknown: once known, were any of them about an earlier process?
+        self._unverified: dict[str, float] = {}
+        # Set by start(): no warm-start read before the workers' first probes (or this time).
+        self._probe_wait_until: float | None = None
+        self.learned_stale = 0  # peer notes skipped: about a process or state forgotten since
+        self.concurrent_s = max(LEARNED_CONCURRENT_S, 4 * cfg.publish_interval_s)
         self._read_count = LEARNED_READ_START
         self._seen: dict[bytes, int] = {}  # publisher -> the last batch sequence taken from it
         self._learn_streak = 0  # learned round trips failed in a row
@@ -293,12 +334,15 @@ class ClusterSync:
         self.view.expiry_s = cfg.expiry_s
         self.learn_maxlen = cfg.learned_stream_maxlen
         self.backlog_max = cfg.learned_journal_max
+        self.concurrent_s = max(LEARNED_CONCURRENT_S, 4 * cfg.publish_interval_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Returns at once: the first sync runs in the task, so a Redis that is down at start
         delays nothing (the replica starts degraded, on its local view)."""
         if self._task is None:
+            if self.learn_last_id == b"0-0":
+                self._probe_wait_until = self.clock() + LEARNED_PROBE_WAIT_S
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-cluster")
 
     async def stop(self) -> None:
@@ -415,7 +459,7 @@ class ClusterSync:
         replayed, then replay a bounded share. False when the round trip failed."""
         await self._pack_journal(state)
         batches = self._to_send()
-        read = not self._inbox and self._replayed >= len(self._replaying)
+        read = not self._inbox and self._replayed >= len(self._replaying) and self._starts_known()
         ok = True
         if batches or read:
             ok = await self._learn_round_trip(state, batches, read)
@@ -499,7 +543,9 @@ class ClusterSync:
                 if read:
                     pipe.xread({self.learn_key: self.learn_last_id}, count=count)
                     pipe.time()
+                t_send = self.clock()
                 res = await pipe.execute()
+                t_recv = self.clock()
         except (RedisError, OSError, TimeoutError) as e:
             # The batches stay, under their seq: sent again, skipped by whoever has them.
             self.learned_failures += 1
@@ -515,16 +561,36 @@ class ClusterSync:
             self.learned_published += len(b.rows)
         if read:
             i = len(batches) + (1 if batches else 0)
-            self._take_read(res[i], res[i + 1], count)
+            # TIME ran somewhere between the send and the reply: their midpoint, so that a peer's
+            # turn is placed neither always late nor always early on this clock.
+            self._take_read(res[i], res[i + 1], count, (t_send + t_recv) / 2)
         return True
 
-    def _take_read(self, read: Any, redis_time: Any, count: int) -> None:
-        """Queue the peers' batches just read for replay (not this replica's own, nor a
-        re-send of a batch already taken), and size the next read from this one."""
+    def _starts_known(self) -> bool:
+        """Whether a started replica may read the stream's history: every worker probed once
+        (its process start known, or known to be unknowable), or LEARNED_PROBE_WAIT_S spent.
+        Gateway.start starts the probes and this task together, and Redis answers before the
+        workers do: a warm start replayed before the first probes credited a restarted worker
+        with its earlier process's cache, notes that no later probe would make it forget."""
+        until = self._probe_wait_until
+        if until is None:
+            return True
+        if self.clock() < until and any(
+            w.last_probe_at <= 0 and w.metrics.process_start is None
+            for w in self.registry.workers.values()
+        ):
+            return False
+        self._probe_wait_until = None
+        return True
+
+    def _take_read(self, read: Any, redis_time: Any, count: int, now: float) -> None:
+        """Queue the batches just read for replay (this replica's own too, for their session
+        notes: `SessionTable.learn`; not a re-send of a batch already taken), with when each
+        was published on this clock (``now``: when Redis' ``TIME`` ran), and size the next read
+        from this one."""
         if not read:
             self._read_count = min(LEARNED_READ_MAX, max(count, LEARNED_READ_START))
             return
-        now = self.clock()
         redis_ms = int(redis_time[0]) * 1000 + int(redis_time[1]) // 1000
         me = self.replica_id.encode()
         seen = self._seen
@@ -536,8 +602,6 @@ class ClusterSync:
                 n += 1
                 size += len(payload)
                 who = fields.get(b"r")
-                if who == me:
-                    continue
                 seq = _seq(fields.get(b"s"))
                 if who is not None and seq is not None:
                     if seq <= seen.get(who, 0):
@@ -547,44 +611,130 @@ class ClusterSync:
                     seen[who] = seq
                     if len(seen) > LEARNED_SEEN_MAX:
                         del seen[next(iter(seen))]
-                age_s = max(0, redis_ms - int(entry_id.split(b"-", 1)[0])) / 1000
-                self._inbox.append((payload, now - age_s))
+                entry_ms = int(entry_id.split(b"-", 1)[0])
+                age_s = max(0, redis_ms - entry_ms) / 1000
+                self._inbox.append((payload, now - age_s, entry_ms / 1000, who == me))
         if size > LEARNED_READ_BYTES:
             self._read_count = max(1, count // 2)
         elif n >= count and size * 2 <= LEARNED_READ_BYTES:
             self._read_count = min(LEARNED_READ_MAX, count * 2)
 
     async def _replay(self, state: RoutingState) -> None:
-        """Replay up to LEARNED_APPLY_MAX queued dispatches into this replica's state, yielding
-        the event loop every LEARNED_APPLY_CHUNK; the rest waits for the next sync."""
-        budget = LEARNED_APPLY_MAX
-        known = self.registry.workers
-        while budget > 0:
-            if self._replayed >= len(self._replaying):
+        """Replay up to LEARNED_APPLY_MAX queued dispatches (LEARNED_APPLY_KEYS keys) into this
+        replica's state, yielding the event loop after every LEARNED_APPLY_CHUNK dispatches or
+        LEARNED_CHUNK_KEYS keys, within a stream entry too; the rest waits for the next sync.
+        Bounded by keys, not dispatches alone: a KV-event mode dispatch of a 32k-token prompt
+        carries 2048 worker-block keys, and one 1 MB entry of them (~125k keys) held the loop
+        for ~0.2 s, 512 of them ~1 s."""
+        self._verify_starts(state)
+        budget, keys_left = LEARNED_APPLY_MAX, LEARNED_APPLY_KEYS
+        while budget > 0 and keys_left > 0:
+            rows = self._replaying
+            if self._replayed >= len(rows):
                 if not self._inbox:
                     self._replaying, self._replayed = [], 0
                     return
-                raw, published = self._inbox.popleft()
-                got = decode_batch(raw, published)
+                raw, published, epoch, own = self._inbox.popleft()
+                got = decode_batch(raw, None if own else published)
                 if got is None:
                     self.learned_malformed += 1
                     continue
                 batch_key, learned = got
                 self._replaying, self._replayed = learned, 0
                 self._replay_chains = batch_key == state.key
-                if learned:
+                self._replay_own = own
+                self._replay_epoch = epoch - published
+                if learned and not own:
                     self.learned_lag.observe(self.clock() - min(e.at for e in learned))
                 continue
-            i = self._replayed
-            n = min(budget, LEARNED_APPLY_CHUNK, len(self._replaying) - i)
-            chunk = self._replaying[i : i + n]
-            self._replayed = i + n
-            budget -= n
-            self.learned_applied += apply_learned(
-                state, chunk, known=known, with_chains=self._replay_chains
-            )
-            if budget > 0 and (self._replayed < len(self._replaying) or self._inbox):
+            i = j = self._replayed
+            end = min(len(rows), i + min(budget, LEARNED_APPLY_CHUNK))
+            limit = min(keys_left, LEARNED_CHUNK_KEYS)
+            keys = 0
+            while j < end and keys < limit:  # at least one row, however large
+                e = rows[j]
+                if not self._replay_own:  # own rows: their session notes only
+                    keys += len(e.chain) + len(e.block_chain)
+                j += 1
+            self._replayed = j
+            budget -= j - i
+            keys_left -= keys
+            self._apply(state, rows[i:j])
+            if budget > 0 and keys_left > 0 and (j < len(rows) or self._inbox):
                 await asyncio.sleep(0)
+
+    def _restart_slack_s(self) -> float:
+        return LEARNED_RESTART_SLACK_S + self.op_timeout_s
+
+    def _apply(self, state: RoutingState, chunk: list[Learned]) -> None:
+        """One chunk of the batch being replayed. A worker whose process start is known takes
+        only notes from after it (on this clock: ``start - epoch offset``); the notes a worker
+        with none known yet takes are remembered (`_verify_starts`)."""
+        known = self.registry.workers
+        own = self._replay_own
+        offset = self._replay_epoch
+        slack = self._restart_slack_s()
+        not_before: dict[str, float] = {}
+        unknown: set[str] = set()
+        for name, w in known.items():
+            started = w.metrics.process_start
+            if started is None:
+                unknown.add(name)
+            else:
+                not_before[name] = started + slack - offset
+        n = apply_learned(
+            state,
+            chunk,
+            known=known,
+            with_chains=self._replay_chains,
+            not_before=not_before,
+            own=own,
+            concurrent_s=self.concurrent_s,
+        )
+        if own:
+            return
+        self.learned_applied += n
+        considered = 0
+        forgot = state.forgot_at
+        unverified = self._unverified
+        for e in chunk:
+            if e.worker not in known:
+                continue
+            considered += 1
+            if unknown and e.worker in unknown and not e.done:
+                if e.at < forgot.get(e.worker, float("-inf")):
+                    continue
+                t = e.at + offset
+                if t < unverified.get(e.worker, float("inf")):
+                    unverified[e.worker] = t
+        self.learned_stale += considered - n
+
+    def _verify_starts(self, state: RoutingState) -> None:
+        """Notes applied for a worker before its process start was known (a warm start that
+        outran the first probe, a worker down since this replica started): once the start is
+        known, if any of them is from before it, what peers taught of that worker goes (their
+        share cannot be told from the rest; later notes are judged by the start), or a
+        restarted worker would keep its earlier process's cache on this replica alone."""
+        if not self._unverified:
+            return
+        workers = self.registry.workers
+        slack = self._restart_slack_s()
+        for name, earliest in list(self._unverified.items()):
+            w = workers.get(name)
+            if w is None:
+                del self._unverified[name]
+                continue
+            started = w.metrics.process_start
+            if started is None:
+                continue
+            del self._unverified[name]
+            if earliest < started + slack:
+                log.info(
+                    "cluster: notes learned for worker %s predate its process start: "
+                    "forgetting what they taught",
+                    name,
+                )
+                state.forget_learned(name)
 
     def apply(self, now: float | None = None) -> None:
         """Set every worker's remote load from the live peers' sums (zero for the rest)."""
@@ -691,6 +841,12 @@ class ClusterCollector(Collector):
                     "Dispatches never shared: the journal or its outbox was full (Redis down "
                     "for long)",
                     s.learned_dropped + (s.routing.journal.dropped if s.routing.journal else 0),
+                ),
+                (
+                    "kvgate_cluster_learned_stale",
+                    "Other replicas' dispatches skipped as about what routing forgot since: an "
+                    "earlier process of a worker that restarted, or one removed",
+                    s.learned_stale,
                 ),
                 (
                     "kvgate_cluster_learned_malformed",

@@ -17,7 +17,7 @@ notes (approximate knowledge, counted in ``dropped``), never memory.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -102,16 +102,30 @@ def apply_learned(
     *,
     known: Container[str],
     with_chains: bool = True,
+    not_before: Mapping[str, float] | None = None,
+    own: bool = False,
+    concurrent_s: float = 0.0,
 ) -> int:
-    """Replay another replica's dispatches into ``state``; returns how many applied.
+    """Replay dispatches read from the replicas' shared log into ``state``, in log order;
+    returns how many applied.
 
-    ``at`` must be on this replica's clock (the transport shifts it); a session's later turn,
-    already seen here, wins over a peer's earlier one.
+    ``at`` must be on this replica's clock (the transport shifts it). Session notes are resolved
+    by `SessionTable.learn`: a turn clearly later than the one pinned wins, and of two turns
+    within ``concurrent_s`` the one later in the log, an order every replica reads the same (so
+    concurrent turns through two replicas end on the same worker everywhere).
 
-    Workers this replica does not know are skipped (a peer on another config during a rollout):
-    recording them would give the index a slot for a worker it can never route to.
-    ``with_chains`` False skips the prefix entries (chains hashed under other routing options mean
-    nothing here) but keeps the sessions, whose keys do not depend on options.
+    ``own``: this replica's notes read back, so that it resolves sessions the same way as its
+    peers; only their session notes count (it learned the rest when it routed them).
+
+    Skipped, besides workers this replica does not know (a peer on another config during a
+    rollout: recording them would give the index a slot for a worker it can never route to):
+    notes from before ``state.forgot_at[worker]`` (routing forgot the worker since: it left or
+    restarted, and a peer's outage backlog must not teach its old cache back) and from before
+    ``not_before[worker]`` (on this clock: when the worker's current process started, so notes
+    about an earlier process, as a warm start's history holds, are not credited to it).
+
+    ``with_chains`` False skips the prefix entries (chains hashed under other routing options
+    mean nothing here) but keeps the sessions, whose keys do not depend on options.
 
     In KV-event mode the precise index learns the peers' pending dispatches too: what a replica
     has sent that the worker has not prefilled yet is in no event, so without them the other
@@ -121,20 +135,41 @@ def apply_learned(
     """
     index = state.index
     sessions = state.sessions
-    precise = state.precise if with_chains else None
+    precise = state.precise if with_chains and not own else None
+    forgot = state.forgot_at
+    floor = dict(forgot) if forgot else {}
+    if not_before:
+        for w, t in not_before.items():
+            if t > floor.get(w, float("-inf")):
+                floor[w] = t
     n = 0
     for e in entries:
         if e.worker not in known:
             continue
+        if floor:
+            f = floor.get(e.worker)
+            if f is not None and e.at < f:
+                continue
         n += 1
         if e.done:
             if precise is not None and e.block_chain:
                 precise.dispatch_done(e.worker, e.block_chain, e.at)
+            continue
+        if own:
+            if e.session_id:
+                sessions.learn(
+                    e.session_id,
+                    e.worker,
+                    e.at,
+                    e.prompt_tokens,
+                    own=True,
+                    concurrent_s=concurrent_s,
+                )
             continue
         if with_chains and e.chain:
             index.record(e.worker, e.chain, dense=e.dense, tail_ends=e.tail_ends)
         if precise is not None and e.block_chain:
             precise.note_dispatch(e.worker, e.block_chain, e.at)
         if e.session_id:
-            sessions.put_if_newer(e.session_id, e.worker, e.at, e.prompt_tokens)
+            sessions.learn(e.session_id, e.worker, e.at, e.prompt_tokens, concurrent_s=concurrent_s)
     return n

@@ -35,8 +35,10 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_size = max_size
         self.active_s = active_s
-        # session -> (worker, last use, prompt tokens of the last turn sent there)
-        self._table: OrderedDict[str, tuple[str, float, int]] = OrderedDict()
+        # session -> (worker, last use, prompt tokens of the last turn sent there, local): local
+        # is True for a turn routed by this replica whose note the shared stream has not shown
+        # back yet (``learn``: every note read before it precedes it in the stream).
+        self._table: OrderedDict[str, tuple[str, float, int, bool]] = OrderedDict()
         # Commitment: worker -> tokens of its active sessions; the active ones and when each
         # turn was noted (in note order: a peer's late note may expire a little late).
         self._committed: dict[str, int] = {}
@@ -64,20 +66,26 @@ class SessionTable:
         entry = self._table.get(session_id)
         if entry is None:
             return None
-        worker, seen, tokens = entry
+        worker, seen, tokens, _local = entry
         if now - seen > self.ttl_s:
             del self._table[session_id]
             return None
         return worker, tokens
 
     def put(self, session_id: str, worker: str, now: float, prompt_tokens: int = 0) -> None:
-        """The session's latest turn went to ``worker``; also expires and bounds the table."""
+        """The session's latest turn went to ``worker`` (routed here); also expires and bounds
+        the table."""
+        self._put(session_id, worker, now, prompt_tokens, True)
+
+    def _put(
+        self, session_id: str, worker: str, now: float, prompt_tokens: int, local: bool
+    ) -> None:
         table = self._table
-        table[session_id] = (worker, now, prompt_tokens)
+        table[session_id] = (worker, now, prompt_tokens, local)
         table.move_to_end(session_id)
         self._commit(session_id, worker, now, prompt_tokens)
         while table:
-            sid, (_w, seen, _t) = next(iter(table.items()))
+            sid, (_w, seen, _t, _l) = next(iter(table.items()))
             if now - seen > self.ttl_s or len(table) > self.max_size:
                 del table[sid]
             else:
@@ -129,17 +137,53 @@ class SessionTable:
         """Another replica's turn, dispatched at ``at`` (this clock, estimated): applied unless the
         table holds a later turn of the session. Without the check a peer's note, a sync interval
         late, would overwrite the turn that followed it here and pin the session to a stale
-        worker. Stored as seen at ``at``: an entry up to one sync late sits behind newer ones and
+        worker. ``learn`` with no concurrency window."""
+        return self.learn(session_id, worker, at, prompt_tokens)
+
+    def learn(
+        self,
+        session_id: str,
+        worker: str,
+        at: float,
+        prompt_tokens: int = 0,
+        *,
+        own: bool = False,
+        concurrent_s: float = 0.0,
+    ) -> bool:
+        """A turn's note read from the replicas' shared, totally ordered log (``own``: one this
+        replica routed, read back), in log order; True when it now pins the session.
+
+        Why not simply "the later ``at`` wins": each replica places a peer's ``at`` on its own
+        clock with an error of milliseconds, so two turns routed that close together through two
+        replicas (an agent's parallel calls behind a load balancer) were each seen as the
+        other's later one, and the two replicas swapped pins. Times decide only turns more than
+        ``concurrent_s`` apart (an outage backlog published late must not undo a newer turn);
+        closer ones are concurrent and the note later in the log wins, an order every replica
+        reads the same. A turn routed here is not in the log yet, so it is later than every note
+        read before it comes back: it stands against those unless they are clearly newer, and is
+        confirmed (not re-applied) when its own note comes back. A stuck confirmation (its note
+        dropped in a long outage) only keeps deciding concurrent notes its way.
+
+        Stored as seen at ``at``: an entry up to one sync late sits behind newer ones and
         outlives its TTL by that much, which the front-first expiry tolerates."""
-        entry = self._table.get(session_id)
-        if entry is not None and entry[1] > at:
-            return False
-        self.put(session_id, worker, at, prompt_tokens)
+        table = self._table
+        entry = table.get(session_id)
+        if entry is not None:
+            cur_worker, seen, _tokens, local = entry
+            if local:
+                if own and cur_worker == worker and seen == at:
+                    table[session_id] = (cur_worker, seen, _tokens, False)  # confirmed
+                    return True
+                if at <= seen + concurrent_s:
+                    return False
+            elif at < seen - concurrent_s:
+                return False
+        self._put(session_id, worker, at, prompt_tokens, False)
         return True
 
     def remove_worker(self, worker: str) -> int:
         """Drop every session pinned to a worker that left the fleet; returns how many."""
-        gone = [sid for sid, (w, _seen, _t) in self._table.items() if w == worker]
+        gone = [sid for sid, (w, _seen, _t, _l) in self._table.items() if w == worker]
         for sid in gone:
             del self._table[sid]
         for sid in [sid for sid, e in self._active.items() if e[0] == worker]:

@@ -28,7 +28,10 @@ class RoutingState:
     """What learning policies know about the fleet; outlives weight reloads and policy swaps."""
 
     def __init__(
-        self, options: RoutingOptions | None = None, precise: PreciseIndex | None = None
+        self,
+        options: RoutingOptions | None = None,
+        precise: PreciseIndex | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         o = options or RoutingOptions()
         self.index = PrefixIndex(o.default_capacity_blocks, o.max_capacity_blocks)
@@ -39,6 +42,11 @@ class RoutingState:
         # Set by a gateway whose replicas share what they learn (gateway.cluster): every dispatch
         # is noted here for the others, besides being learned locally.
         self.journal: Journal | None = None
+        # Worker -> when routing last forgot it (left, or restarted: its cache is gone), on the
+        # policies' clock: a peer's note from before then (an outage backlog published late)
+        # is about what was forgotten, and `apply_learned` skips it.
+        self.forgot_at: dict[str, float] = {}
+        self.clock = clock
         self._key = o.key_fields()
         self._text_block_tokens = o.text_block_tokens
         self._reported: dict[str, tuple[int, int]] = {}  # worker -> (num_blocks, block_size) seen
@@ -95,10 +103,26 @@ class RoutingState:
             blocks = int(w.num_blocks * w.block_size / self._text_block_tokens)
             self.index.set_capacity(w.name, blocks)
 
-    def forget_worker(self, name: str) -> None:
+    def forget_worker(self, name: str, now: float | None = None) -> None:
+        """Forget everything known of ``name`` (it left, or restarted with an empty cache), as
+        of ``now`` (default: this state's clock): peers' notes from before then are skipped
+        when they arrive later (`apply_learned`), or they would teach it all back."""
+        t = self.clock() if now is None else now
+        if t > self.forgot_at.get(name, float("-inf")):
+            self.forgot_at[name] = t
         self.index.remove_worker(name)
         if self.precise is not None:
             self.precise.remove_worker(name)
+        self.sessions.remove_worker(name)
+        self._reported.pop(name, None)
+
+    def forget_learned(self, name: str) -> None:
+        """Forget what dispatches taught of ``name`` (prefix index entries, session pins), not
+        what its KV events report: for peers' notes found, once its process start became
+        known, to predate it. No ``forgot_at``: later notes are judged by that start, and the
+        rest of a warm start's history is still to come. The precise index's pending keys of
+        those notes are left to expire (it has no per-worker pending-only drop)."""
+        self.index.remove_worker(name)
         self.sessions.remove_worker(name)
         self._reported.pop(name, None)
 
@@ -142,7 +166,7 @@ class _Learning:
         self.options = options
 
     def on_worker_removed(self, name: str) -> None:
-        self.state.forget_worker(name)
+        self.state.forget_worker(name, self._clock())
 
     def on_dispatch(self, worker_name: str, request: RouteRequest) -> Dispatched:
         state = self.state

@@ -16,7 +16,10 @@ in progress) still takes the batch's sessions but not its chains.
 Times: ``at`` (dispatch) and ``t`` (publish) are on the publisher's monotonic clock, which nobody
 else can read; the reader only uses their difference, plus the time the entry spent in Redis
 (the stream id's milliseconds against Redis' own ``TIME``: both on Redis' clock), to place each
-dispatch on its own clock. No two hosts' clocks are ever compared.
+dispatch on its own clock. No two hosts' clocks are compared for that. The stream id's
+milliseconds also place a note on the epoch scale (``id - (t - at)``), where `gateway.cluster`
+compares it with the worker's ``process_start_time_seconds`` (NTP-synced hosts, with a slack)
+to tell notes about an earlier process of a worker that restarted.
 """
 
 from __future__ import annotations
@@ -101,9 +104,11 @@ def encode_batch(key: Sequence[float], entries: Sequence[Learned], sent: float) 
     return frame_batch(key, [pack_entry(e) for e in entries], sent)
 
 
-def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learned]] | None:
+def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list[Learned]] | None:
     """``(routing key, entries)`` with every ``at`` moved onto the reader's clock: ``now`` is the
     reader's estimate of when the batch was published (its clock, less the entry's age in Redis).
+    None: the reader's own batch read back, whose times are on its clock already and are kept
+    exact (its session turns are matched by them: `SessionTable.learn`).
     None for bytes this version does not read (a newer replica, or garbage): skipped, not
     trusted. A malformed entry drops the batch: a peer that writes one wrong entry is not to be
     trusted on the others either."""
@@ -116,7 +121,7 @@ def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learne
             return None
         if not all(_is_time(k) for k in key):
             return None
-        shift = now - sent
+        shift = 0.0 if now is None else now - sent
         out: list[Learned] = []
         for row in rows:
             worker, chain, dense, tails, session, tokens, at, blocks, done = row
@@ -143,7 +148,7 @@ def decode_batch(raw: bytes, now: float) -> tuple[tuple[float, ...], list[Learne
                     tuple(tails),
                     session or None,
                     tokens,
-                    min(at + shift, now),
+                    at if now is None else min(at + shift, now),
                     unpack_chain(blocks),
                     done,
                 )
