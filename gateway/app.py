@@ -540,8 +540,12 @@ class Gateway:
                 settings.server.max_body_bytes,
                 settings.timeouts.client_body_s,
             )
+            open_gateway = not self.tenants.enabled  # caps nothing: the workers' flags decide
             req = parse_request(
-                path, raw, accept_embeds=tenant.cfg.accept_embeds or not self.tenants.enabled
+                path,
+                raw,
+                accept_embeds=tenant.cfg.accept_embeds or open_gateway,
+                accept_media_kwargs=tenant.cfg.accept_media_kwargs or open_gateway,
             )
             data, model = req.data, req.model
             is_chat = path == CHAT

@@ -346,6 +346,10 @@ class TenantSettings(_Section):
     # --enable-prompt-embeds / --enable-mm-embeds): their token count is the tensor's length,
     # which the gateway cannot see, so `max_input_tokens` and the reservation do not bound them.
     accept_embeds: bool = False
+    # Accept request-level media processing (`media_io_kwargs`, `mm_processor_kwargs`: video
+    # frames, image pixels): they change what a media part costs, so [tenancy.media_tokens] no
+    # longer bounds it.
+    accept_media_kwargs: bool = False
 
     @field_validator("keys_sha256")
     @classmethod

@@ -61,6 +61,27 @@ class Tenant:
         return hmac.digest(self.client_salt_key, msg, "sha256")[:16].hex()
 
 
+def _fence_media_uuids(tenant: Tenant, messages: list[Any]) -> bool:
+    """Map every media part's `uuid` under the tenant's own key (as `client_salt` maps salts);
+    True when one was.
+
+    vLLM keys its multimodal processor and encoder caches by a part's `uuid` when the client
+    gives one, `cache_salt` aside, and serves a part that has a uuid and no data from them: raw,
+    a tenant knowing another's uuid drew that tenant's image into its own prompt, learned from
+    200 or 400 whether it was sent, or planted its own image under it. Mapped, uuids of one
+    tenant still match each other (its own reuse), and never another tenant's."""
+    changed = False
+    for m in messages:
+        content = m.get("content") if type(m) is dict else None
+        if type(content) is not list:
+            continue
+        for part in content:
+            if type(part) is dict and type(uid := part.get("uuid")) is str:
+                part["uuid"] = tenant.client_salt("\x00uuid:" + uid)
+                changed = True
+    return changed
+
+
 def _limits(t: TenantSettings) -> TenantLimits:
     return TenantLimits(
         rpm=t.rpm,
@@ -197,16 +218,19 @@ def estimate_prompt_tokens(
     """
     if path_is_chat:
         return int(rendered_bytes(data, media) / chars_per_token) + 1
+    # A fill-in-the-middle model renders `suffix` into every prompt of the request.
+    suffix = data.get("suffix")
+    extra = int(utf8_len(suffix) / chars_per_token) if type(suffix) is str and suffix else 0
     prompt = data.get("prompt")
     if isinstance(prompt, str):
-        return int(utf8_len(prompt) / chars_per_token) + 1
+        return int(utf8_len(prompt) / chars_per_token) + 1 + extra
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], int):
-            return len(prompt)
+            return len(prompt) + extra
         if isinstance(prompt[0], str):
-            return sum(int(utf8_len(p) / chars_per_token) + 1 for p in prompt)
-        return sum(len(p) for p in prompt)
-    return 1
+            return sum(int(utf8_len(p) / chars_per_token) + 1 + extra for p in prompt)
+        return sum(len(p) + extra for p in prompt)
+    return 1 + extra
 
 
 # The fields a worker may read as the per-choice output limit. vLLM's chat endpoint uses
@@ -306,6 +330,8 @@ def apply_caps(
     if out is None:
         out = cfg.default_max_tokens if cap is None else min(cfg.default_max_tokens, cap)
         data["max_tokens"] = out  # on chat, `max_completion_tokens` is absent here
+        changed = True
+    if is_chat and _fence_media_uuids(tenant, data["messages"]):
         changed = True
     if tenant.cfg.isolate_cache:
         data["cache_salt"] = tenant.cache_salt

@@ -384,9 +384,20 @@ def _not_from_clients(key: str, v: Any, data: dict[str, Any], chat: bool) -> Non
 # few bytes of template can render any size of prompt, which no estimate of the body can cap.
 _NOT_FROM_CLIENTS: dict[str, str] = {
     "kv_transfer_params": "KV transfer between engines is set up by the serving stack.",
+    # The encoder cache's counterpart on an encode/prefill/decode fleet (transfer ids, mm
+    # hashes, a consumer's ZMQ address).
+    "ec_transfer_params": "encoder-cache transfer between engines is set up by the serving stack.",
+    # vLLM copies it into the request's extra_args, where `kv_transfer_params` and
+    # `ec_transfer_params` are read from too: the fields above by another name. A malformed one
+    # there was a 500 from the worker, which ejected healthy workers for every tenant.
+    "vllm_xargs": "engine extension arguments are set by the serving stack.",
+    # Tokens per SSE event: a stream cut by its client is charged by the events it received,
+    # so 999 tokens an event were charged as one.
+    "stream_interval": "each event carries the tokens the serving stack sends it.",
     "chat_template": "the model's own chat template is used.",
 }
 
+_MEDIA_KWARGS = ("media_io_kwargs", "mm_processor_kwargs")
 _POSITIVE_INTS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of"})
 # The rarer scalar fields OpenAI refuses with a 400 when malformed: field -> check(key, value,
 # body, chat). The frequent ones (output limits, sampling bounds) are checked inline.
@@ -421,9 +432,13 @@ def _check_sampling(data: dict[str, Any], chat: bool) -> None:
             check(key, v, data, chat)
 
 
-def parse_request(path: str, raw: bytes, *, accept_embeds: bool = False) -> ParsedRequest:
+def parse_request(
+    path: str, raw: bytes, *, accept_embeds: bool = False, accept_media_kwargs: bool = False
+) -> ParsedRequest:
     """Parse once and check the body for `path`; raises the OpenAI 400 envelope (as APIError).
-    Tensor inputs (`prompt_embeds`, chat `*_embeds` parts) only where `accept_embeds`."""
+    Tensor inputs (`prompt_embeds`, chat `*_embeds` parts) only where `accept_embeds`; request
+    media processing (`media_io_kwargs`, `mm_processor_kwargs`) only where
+    `accept_media_kwargs`."""
     if not raw:
         raise bad_request("Request body is empty; expected a JSON object")
     try:
@@ -452,6 +467,15 @@ def parse_request(path: str, raw: bytes, *, accept_embeds: bool = False) -> Pars
         )
     if not accept_embeds and data.get("prompt_embeds") is not None:
         raise _embeds_refused("prompt_embeds", "`prompt_embeds`")
+    if not accept_media_kwargs:
+        for key in _MEDIA_KWARGS:
+            if data.get(key) is not None:
+                # vLLM uses them over the engine's own (video frames, image pixels): a media
+                # part then costs any number of tokens, which no per-part charge bounds.
+                raise bad_request(
+                    f"`{key}` is not accepted: media processing is set by the serving stack.",
+                    key,
+                )
     stream = data.get("stream", False)
     if stream is None:
         stream = False

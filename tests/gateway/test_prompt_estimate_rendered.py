@@ -70,7 +70,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     },
     "metadata": {"metadata": {"note": BIG}},
     "tool_choice_big": {"tool_choice": {"type": "function", "function": {"name": BIG}}},
-    "vllm_xargs": {"vllm_xargs": {"note": BIG}},
+    "extension": {"custom_extension": {"note": BIG}},
 }
 
 

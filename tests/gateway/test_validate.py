@@ -281,7 +281,7 @@ def test_unknown_fields_pass_through_untouched_whatever_they_hold() -> None:
         "min_p": 0.1,
         "repetition_penalty": 1.2,
         "cache_salt": "s",
-        "vllm_xargs": {"a": 1},
+        "skip_special_tokens": False,
         "chat_template_kwargs": {"enable_thinking": False},
         "guided_json": {"type": "object"},
         "wizard": [1, {"role": "wizard"}],
