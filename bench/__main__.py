@@ -7,7 +7,9 @@ Sample traces ship in bench/data/traces/; outputs go to bench/out/ (git-ignored)
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from types import FrameType
 from typing import TextIO
 
 PROG = "kvgate bench"
@@ -67,8 +69,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: unknown tool {args[0]!r}", file=sys.stderr)
         usage(sys.stderr)
         return 2
-    module = importlib.import_module(TOOLS[args[0]][0])
-    return int(module.main(args[1:]) or 0)
+    try:
+        module = importlib.import_module(TOOLS[args[0]][0])
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] in ("bench", "gateway", "workers", "scoring"):
+            raise
+        # `pip install .` installs the gateway only; the bench tools need their extras.
+        print(
+            f"{PROG}: error: {args[0]} needs the bench extras (no module {e.name!r}): "
+            "pip install '.[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    # A bench stopped by SIGTERM or SIGHUP (`timeout`, `kill`, a closed terminal) runs the
+    # clean-up Ctrl-C runs: the fleets, gateways and files it started must not outlive it.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        return int(module.main(args[1:]) or 0)
+    except KeyboardInterrupt as e:  # its clean-up has run on the way out
+        print(f"\n{PROG}: {args[0]} stopped ({e or 'SIGINT'})", file=sys.stderr)
+        return 130
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,15 @@ def _stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
+def _python() -> str:
+    """The interpreter that has `openai` (this one), as a command to paste from the repo's
+    root: a bare `python` is the shell's, which lacks it."""
+    exe = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        return str(exe.relative_to(Path.cwd()))
+    return str(exe)
+
+
 def _banner(base: str, model: str, n: int, key: str) -> str:
     return f"""
 kvgate is serving on {base} in front of {n} simulated vLLM workers. Ctrl-C stops everything.
@@ -231,7 +240,7 @@ kvgate is serving on {base} in front of {n} simulated vLLM workers. Ctrl-C stops
     -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
          "messages": [{{"role": "user", "content": "Hello, kvgate!"}}]}}'
 
-  python -c '
+  {_python()} -c '
 from openai import OpenAI
 client = OpenAI(base_url="{base}/v1", api_key="{key}")
 for chunk in client.chat.completions.create(model="{model}", stream=True, max_tokens=32,

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import ast
 import importlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from bench.__main__ import TOOLS
 from bench.__main__ import main as bench_main
+from bench.redis_server import free_port
+from gateway.cli import _banner, _python
 from gateway.cli import main as kvgate_main
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -82,3 +89,52 @@ def test_a_missing_trace_is_one_line_not_a_traceback(
     assert "\n" not in err and "Traceback" not in err
     assert "trace not found: no/such/trace.jsonl" in err
     assert "bench/data/traces" in err  # where the shipped samples are
+
+
+def test_a_bench_stopped_by_sigterm_cleans_up_what_it_started() -> None:
+    # Doc audit: a bench stopped by `timeout` or `kill` (SIGTERM) died at once and left its
+    # fleet, gateways and files behind; it now runs the clean-up Ctrl-C runs.
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench", "redis_server", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        cwd=BENCH.parent,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and f":{port}" in proc.stdout.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while True:  # the redis-server it started is gone with it
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the bench's redis-server outlived it"
+        time.sleep(0.1)
+
+
+def test_a_tool_whose_extras_are_missing_says_how_to_install_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def missing(name: str) -> None:
+        raise ModuleNotFoundError("No module named 'rich'", name="rich")
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    assert bench_main(["simulate"]) == 2
+    assert "pip install '.[bench]'" in capsys.readouterr().err
+
+
+def test_the_make_run_banner_names_a_python_that_has_openai() -> None:
+    # Doc audit: the banner's `python -c` snippet failed as pasted (the shell's python has no
+    # openai); it names this interpreter, relative to the repository when inside it.
+    python = _python()
+    done = subprocess.run(
+        [python, "-c", "import openai"], cwd=Path.cwd(), capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{python} -c '" in _banner("http://127.0.0.1:8000", "m", 4, "k")

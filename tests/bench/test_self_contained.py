@@ -19,7 +19,7 @@ from bench.traces import detect_format, load_trace
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "bench/README.md", "bench/data/traces/README.md")
 # Spelled in pieces so this file does not match its own search.
-OUTSIDE = ("../" + "shared", "/work/" + "shared")
+OUTSIDE = ("../" + "shared", "/work/" + "shared", "/work/" + "main")
 
 
 def _repo_text_files() -> list[Path]:

@@ -170,7 +170,9 @@ class Recorder:
         if raw_body is None and payload is not None:
             raw_body = json.dumps(payload, separators=(",", ":")).encode()
         resp = raw_request(self.port, method, path, raw_body, headers)
-        (self.out / name).write_bytes(resp.body)
+        # Repo-relative, as the index's server args: /v1/models names the model's directory
+        # (`root`), which no fixture may point at outside the repository.
+        (self.out / name).write_bytes(resp.body.replace(str(REPO_ROOT).encode(), b"."))
         self.index[name] = {
             "request": {
                 "method": method,
