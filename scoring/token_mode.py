@@ -21,6 +21,13 @@ far (the next turn of the same chat extends it). Reusing ids for a prefix is onl
 the tokenizer is known to restart there: right after an added token that it splits out before
 normalizing and pre-tokenizing (``safe_boundaries``; the loader picks them and self-checks), so
 ``encode(a + b) == encode(a) + encode(b)`` when ``a`` ends with such a token.
+
+Isolation. A hit skips the tokenizer (milliseconds for a long prompt), so a cache shared by every
+tenant told an isolated tenant, by the latency of its own requests (even refused ones), whether
+another tenant had sent a given system prompt or conversation. Every entry therefore belongs to
+one *cache scope*, the ``(namespace, cache_salt)`` pair the chain is seeded by (``seed_for``), and
+is found only by a lookup in that scope: tenants that share KV on the workers share entries too,
+isolated tenants and distinct salts never do.
 """
 
 from __future__ import annotations
@@ -87,13 +94,23 @@ class ChatRenderer(Protocol):
 
 
 # -- rendered prefix -> ids ------------------------------------------------------------------------
+# Who may reuse an entry: (namespace, cache_salt), what `seed_for` seeds a chain with apart from
+# the model (one keyer serves one model). ("", "") is the shared tenants' scope.
+Scope = tuple[str, str]
+_CacheKey = tuple[Scope, int, int]
+
+
 class _PrefixIds:
     """LRU of token ids for rendered prefixes that end on a safe boundary.
 
-    Keyed by (prefix length in characters, xxh3-128 of its UTF-8): one streaming pass over the
-    text yields the key of every boundary, so finding the longest cached prefix costs O(text), not
-    O(text x boundaries), and the cache does not hold the (possibly 100 KB) prefix strings. A
-    128-bit digest collision is the only way a wrong entry is used.
+    Keyed by (cache scope, prefix length in characters, xxh3-128 of its UTF-8): one streaming
+    pass over the text yields the key of every boundary, so finding the longest cached prefix
+    costs O(text), not O(text x boundaries), and the cache does not hold the (possibly 100 KB)
+    prefix strings. A 128-bit digest collision is the only way a wrong entry is used. The scope is
+    held as is, not hashed: a lookup can only ever find an entry stored under an equal
+    ``(namespace, cache_salt)``, with no digest to collide across tenants (timing-oracle review
+    finding). The token budget is shared by all scopes (one tenant's volume can evict another's
+    entries, which costs the other a tokenizer call, never a wrong or foreign hit).
     """
 
     def __init__(
@@ -110,7 +127,7 @@ class _PrefixIds:
         self._safe = frozenset(safe)
         self.max_tokens = max_tokens
         self.min_chars = min_chars
-        self._lru: OrderedDict[tuple[int, int], array.array[int]] = OrderedDict()
+        self._lru: OrderedDict[_CacheKey, array.array[int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -124,11 +141,11 @@ class _PrefixIds:
     def held_tokens(self) -> int:
         return self._held
 
-    def boundaries(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Every safe cut point of ``text`` and its cache key, in order."""
+    def boundaries(self, text: str, scope: Scope) -> tuple[list[int], list[_CacheKey]]:
+        """Every safe cut point of ``text`` and its cache key in ``scope``, in order."""
         assert self._re is not None
         cuts: list[int] = []
-        keys: list[tuple[int, int]] = []
+        keys: list[_CacheKey] = []
         h = xxhash.xxh3_128()
         prev = 0
         safe = self._safe
@@ -139,10 +156,10 @@ class _PrefixIds:
             h.update(text[prev:b].encode("utf-8", "surrogatepass"))
             prev = b
             cuts.append(b)
-            keys.append((b, h.intdigest()))
+            keys.append((scope, b, h.intdigest()))
         return cuts, keys
 
-    def get(self, keys: list[tuple[int, int]]) -> tuple[int, array.array[int] | None]:
+    def get(self, keys: list[_CacheKey]) -> tuple[int, array.array[int] | None]:
         """The longest cached prefix among ``keys``: (its index, ids) or (-1, None)."""
         with self._lock:
             for i in range(len(keys) - 1, -1, -1):
@@ -154,9 +171,9 @@ class _PrefixIds:
             self.misses += 1
         return -1, None
 
-    def put(self, key: tuple[int, int], ids: array.array[int]) -> None:
+    def put(self, key: _CacheKey, ids: array.array[int]) -> None:
         n = len(ids)
-        if n > self.max_tokens or key[0] < self.min_chars:
+        if n > self.max_tokens or key[1] < self.min_chars:
             return
         with self._lock:
             old = self._lru.pop(key, None)
@@ -240,14 +257,24 @@ class TokenKeyer:
         except Exception as e:  # template errors (raise_exception), type errors in content
             raise TokenKeyError(f"chat template failed: {e}") from e
 
-    def token_ids(self, path_kind: PathKind, body: Mapping[str, Any]) -> array.array[int]:
-        """The prompt token ids the worker computes KV for (token-id prompts: the ids as given)."""
+    def token_ids(
+        self,
+        path_kind: PathKind,
+        body: Mapping[str, Any],
+        *,
+        namespace: str = "",
+        cache_salt: str | None = None,
+    ) -> array.array[int]:
+        """The prompt token ids the worker computes KV for (token-id prompts: the ids as given).
+
+        ``namespace`` and ``cache_salt`` (None: the body's own) are the request's cache scope,
+        as `key` takes them: cached prefix ids are reused only within one scope."""
         if path_kind == "chat":
             text = self.render(body)
             if body.get("add_special_tokens", False) is True:
                 return self._encode_with(self._encode_special, text)
             first = self._first_text(body)
-            return self._encode_plain(text, first)
+            return self._encode_plain(text, first, (namespace, _salt_of(body, cache_salt)))
         prompt = render_completion(body.get("prompt"))
         if isinstance(prompt, list):
             return _ids(prompt)
@@ -279,8 +306,8 @@ class TokenKeyer:
         """
         if block_size <= 0:
             raise ValueError("block_size must be positive")
-        salt = cache_salt if cache_salt is not None else str(body.get("cache_salt") or "")
-        ids = self.token_ids(path_kind, body)
+        salt = _salt_of(body, cache_salt)
+        ids = self.token_ids(path_kind, body, namespace=namespace, cache_salt=salt)
         chain = chain_hashes_tokens(
             ids,
             block_size=block_size,
@@ -314,8 +341,8 @@ class TokenKeyer:
         c = _content(msgs[0].get("content"), "string")
         return c if isinstance(c, str) else ""
 
-    def _encode_plain(self, text: str, first: str) -> array.array[int]:
-        """``encode(text)``, reusing the ids of its longest cached safe prefix.
+    def _encode_plain(self, text: str, first: str, scope: Scope) -> array.array[int]:
+        """``encode(text)``, reusing the ids of its longest safe prefix cached in ``scope``.
 
         Cut points are stored for the end of the first message (a system prompt shared across
         users) and the end of the text (the next turn of this conversation starts with it). A
@@ -325,7 +352,7 @@ class TokenKeyer:
         cache = self._cache
         if not cache.enabled or len(text) < cache.min_chars:
             return self._encode_with(self._encode, text)
-        cuts, keys = cache.boundaries(text)
+        cuts, keys = cache.boundaries(text, scope)
         if not cuts:
             return self._encode_with(self._encode, text)
         hit, cached = cache.get(keys)
@@ -351,6 +378,11 @@ class TokenKeyer:
         if pos < len(text):
             out.extend(self._encode_with(self._encode, text[pos:]))
         return out
+
+
+def _salt_of(body: Mapping[str, Any], cache_salt: str | None) -> str:
+    """The salt a request's chain is seeded by: the caller's, else the body's own."""
+    return cache_salt if cache_salt is not None else str(body.get("cache_salt") or "")
 
 
 def with_key(route: RouteRequest, key: PromptKey) -> RouteRequest:
