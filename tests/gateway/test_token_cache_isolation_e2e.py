@@ -86,3 +86,35 @@ async def test_an_isolated_tenant_cannot_hit_another_tenants_cached_prefix() -> 
                 )
                 await post("victim", "again")  # the victim's own repeat still hits
                 assert k.cache_stats()["hits"] == 1
+
+
+async def test_a_request_the_quota_refuses_is_never_tokenized() -> None:
+    # Defence in depth (same review): admission comes before keying, so an over-quota key spends
+    # no tokenizer time, and its refusals' latency carries nothing of the tokenizer's cache.
+    k, enc = keyer()
+    async with serve_app(stub_app(_ok)) as url:
+        data = settings_for([url]).model_dump()
+        data["routing"] = {"token_mode": {"models": {MODEL: "sim"}}}
+        data["tenants"] = {
+            "t": {
+                "keys_sha256": [hashlib.sha256(KEYS["attacker"].encode()).hexdigest()],
+                "rpm": 1,
+                "burst_requests": 1,
+            }
+        }
+        async with run_gateway(Settings(**data)) as g, httpx.AsyncClient(timeout=30) as c:
+            g.gw.token_keyers[MODEL] = k
+            await g.wait_healthy(1)
+            body = {
+                "model": MODEL,
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": SYSTEM}],
+            }
+            auth = {"authorization": f"Bearer {KEYS['attacker']}"}
+            r = await c.post(g.url + "/v1/chat/completions", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            tokenized = enc.chars
+            assert tokenized > 0
+            r = await c.post(g.url + "/v1/chat/completions", json=body, headers=auth)
+            assert r.status_code == 429, r.text
+            assert enc.chars == tokenized  # refused before any tokenizing
