@@ -40,6 +40,9 @@ from workers.worker import Worker
 log = logging.getLogger("kvgate.proxy")
 # Bytes of a worker's 5xx body kept (and, give or take one read, read) for the client's error.
 ERROR_BODY_MAX = 64 * 1024
+# vLLM's (and OpenAI's) error envelope: a worker that answers in it is up and answering.
+_ERROR_ENVELOPE = b'"error"'
+
 # Settlements of whole responses whose client left mid-way, kept referenced until they end.
 _SETTLING: set[asyncio.Future[None]] = set()
 # A whole response up to this size is parsed whole for its usage (exact; ~0.15 ms of loop at
@@ -86,111 +89,133 @@ class Proxy:
         last_error: APIError | None = None
         max_attempts = settings.retries.max_attempts
         life = self.life
+        # Workers that answered this request's attempt with their own 500 error envelope: the
+        # engine may have failed on the request, not the worker. Blamed (passive failure) once
+        # another worker served it, or when no other could try; not when another worker
+        # answered it alike: then the request is the cause, and one tenant's poison request
+        # (a malformed extension field vLLM raises on) had ejected healthy workers for all.
+        suspects: list[Worker] = []
         eligible = self.slots.eligible
-        while call.attempts < max_attempts:
-            cands = eligible(call.model, tried, call.pool_ok)
-            if not cands:
-                break
-            decision = policy.choose([w.view() for w in cands], call.route)
-            worker = self.registry.workers[decision.worker.name]
-            tried.add(worker.name)
-            call.attempts += 1
-            if call.attempts > 1:
-                if self.closing is not None:  # between two attempts when the drain cut
-                    raise self._shut_down(call, None)
-                self.metrics.child(
-                    self.metrics.retries, last_error.code if last_error else "unknown"
-                ).inc()
-            life.dispatched(policy, call, decision, worker)
-            handed_off = False
-            t_sent = time.perf_counter()
-            try:
-                # A non-streaming response starts only when generation ends: its wait is the
-                # whole generation, bounded by the total deadline, not a first byte.
-                wait = min(t.first_byte_s, deadline - _now()) if call.stream else deadline - _now()
-                resp = await self._send(call, worker, wait)
-                if resp.status >= 500:
-                    call.upstream_sent = False  # refused: nothing was generated
-                    body = await _read_bounded(resp, t.idle_s)
-                    last_error = _upstream_error(resp.status, body)
-                    life.refused(worker, call)
-                    life.failed(worker, f"HTTP {resp.status}")
-                    continue
-                call.worker = worker.name
-                call.status = resp.status
-                headers = self._headers(call, worker.name, decision.reason, settings)
-                if resp.status != 200:
-                    life.refused(worker, call)  # the request itself was turned down
-                if resp.status != 200 or not call.stream:
-                    return await self._whole(call, worker, resp, headers, t, deadline)
-                first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
-                if first is None:
+        try:
+            while call.attempts < max_attempts:
+                cands = eligible(call.model, tried, call.pool_ok)
+                if not cands:
+                    break
+                decision = policy.choose([w.view() for w in cands], call.route)
+                worker = self.registry.workers[decision.worker.name]
+                tried.add(worker.name)
+                call.attempts += 1
+                if call.attempts > 1:
+                    if self.closing is not None:  # between two attempts when the drain cut
+                        raise self._shut_down(call, None)
+                    self.metrics.child(
+                        self.metrics.retries, last_error.code if last_error else "unknown"
+                    ).inc()
+                life.dispatched(policy, call, decision, worker)
+                handed_off = False
+                t_sent = time.perf_counter()
+                try:
+                    # A non-streaming response starts only when generation ends: its wait is the
+                    # whole generation, bounded by the total deadline, not a first byte.
+                    wait = (
+                        min(t.first_byte_s, deadline - _now()) if call.stream else deadline - _now()
+                    )
+                    resp = await self._send(call, worker, wait)
+                    if resp.status >= 500:
+                        call.upstream_sent = False  # refused: nothing was generated
+                        body = await _read_bounded(resp, t.idle_s)
+                        last_error = _upstream_error(resp.status, body)
+                        life.refused(worker, call)
+                        if resp.status == 500 and _ERROR_ENVELOPE in body:
+                            suspects.append(worker)
+                            if len(suspects) > 1:  # answered alike twice: the request's doing
+                                suspects.clear()
+                                break
+                            continue
+                        life.failed(worker, f"HTTP {resp.status}")
+                        continue
+                    call.worker = worker.name
+                    call.status = resp.status
+                    headers = self._headers(call, worker.name, decision.reason, settings)
+                    if resp.status != 200:
+                        life.refused(worker, call)  # the request itself was turned down
+                    if resp.status != 200 or not call.stream:
+                        return await self._whole(call, worker, resp, headers, t, deadline)
+                    first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
+                    if first is None:
+                        last_error = APIError(
+                            502,
+                            "worker closed the stream before sending anything",
+                            "upstream_error",
+                            code="upstream_empty_stream",
+                        )
+                        life.failed(worker, "empty stream")
+                        continue
+                    now = time.perf_counter()
+                    call.ttft = now - call.t_start
+                    life.first_byte(worker, call, now - t_sent)
+                    headers["content-type"] = resp.headers.get(
+                        "content-type", "text/event-stream; charset=utf-8"
+                    )
+                    handed_off = True
+                    return RelayResponse(life, call, worker, resp, first, headers, t, deadline)
+                except UpstreamConnectError as e:
+                    call.upstream_sent = False
+                    # Clients get a stable message; the log gets what the socket said (failed).
                     last_error = APIError(
                         502,
-                        "worker closed the stream before sending anything",
+                        "A worker could not be reached.",
                         "upstream_error",
-                        code="upstream_empty_stream",
+                        code="upstream_connect_error",
                     )
-                    life.failed(worker, "empty stream")
-                    continue
-                now = time.perf_counter()
-                call.ttft = now - call.t_start
-                life.first_byte(worker, call, now - t_sent)
-                headers["content-type"] = resp.headers.get(
-                    "content-type", "text/event-stream; charset=utf-8"
-                )
-                handed_off = True
-                return RelayResponse(life, call, worker, resp, first, headers, t, deadline)
-            except UpstreamConnectError as e:
-                call.upstream_sent = False
-                # Clients get a stable message; what the socket said goes to the log (life.failed).
-                last_error = APIError(
-                    502,
-                    "A worker could not be reached.",
-                    "upstream_error",
-                    code="upstream_connect_error",
-                )
-                life.refused(worker, call)
-                life.failed(worker, f"connect: {e}")
-            except (TimeoutError, UpstreamStreamError) as e:
-                if self.closing is not None:
-                    # `cut_waiting` ended the wait (or it ended past the grace anyway): the
-                    # upstream request is aborted already (`_send`, `_first_chunk`, `_whole`).
-                    raise self._shut_down(call, worker) from None
-                timeout = isinstance(e, TimeoutError)
-                if timeout and not call.stream and call.upstream_sent:
-                    # The worker took the request and was generating: another attempt would
-                    # generate it all again (and a client could burn fleet compute for free).
-                    # No retry; the walk charges the reservation (gateway.app).
-                    call.worker, call.status, call.outcome = worker.name, 504, "upstream_timeout"
-                    log.warning(
-                        "request %s on %s: no response within timeouts.total_s",
-                        call.request_id,
-                        worker.name,
-                    )
-                    raise APIError(
-                        504,
-                        "The worker did not finish this request within the gateway's total "
-                        "timeout; stream the response to receive tokens as they are generated.",
+                    life.refused(worker, call)
+                    life.failed(worker, f"connect: {e}")
+                except (TimeoutError, UpstreamStreamError) as e:
+                    if self.closing is not None:
+                        # `cut_waiting` ended the wait (or it ended past the grace anyway): the
+                        # upstream request is aborted already (`_send`, `_first_chunk`, `_whole`).
+                        raise self._shut_down(call, worker) from None
+                    timeout = isinstance(e, TimeoutError)
+                    if timeout and not call.stream and call.upstream_sent:
+                        # The worker took the request and was generating: another attempt would
+                        # generate it all again (and a client could burn fleet compute for free).
+                        # No retry; the walk charges the reservation (gateway.app).
+                        call.worker, call.status, call.outcome = (
+                            worker.name,
+                            504,
+                            "upstream_timeout",
+                        )
+                        log.warning(
+                            "request %s on %s: no response within timeouts.total_s",
+                            call.request_id,
+                            worker.name,
+                        )
+                        raise APIError(
+                            504,
+                            "The worker did not finish this request within the gateway's total "
+                            "timeout; stream the response to receive tokens as they are generated.",
+                            "upstream_error",
+                            code="upstream_timeout",
+                        ) from None
+                    call.upstream_sent = False
+                    last_error = APIError(
+                        504 if timeout else 502,
+                        "The worker sent nothing before the first-byte timeout."
+                        if timeout
+                        else "The worker's response broke off before it started.",
                         "upstream_error",
-                        code="upstream_timeout",
-                    ) from None
-                call.upstream_sent = False
-                last_error = APIError(
-                    504 if timeout else 502,
-                    "The worker sent nothing before the first-byte timeout."
-                    if timeout
-                    else "The worker's response broke off before it started.",
-                    "upstream_error",
-                    code="upstream_timeout" if timeout else "upstream_error",
-                )
-                life.failed(worker, "first-byte timeout" if timeout else str(e))
-            finally:
-                if not handed_off:
-                    life.released(worker, call)
-        if last_error is not None:
-            raise last_error
-        raise no_capacity(f"no healthy worker is serving model `{call.model}`")
+                        code="upstream_timeout" if timeout else "upstream_error",
+                    )
+                    life.failed(worker, "first-byte timeout" if timeout else str(e))
+                finally:
+                    if not handed_off:
+                        life.released(worker, call)
+            if last_error is not None:
+                raise last_error
+            raise no_capacity(f"no healthy worker is serving model `{call.model}`")
+        finally:
+            for w in suspects:
+                life.failed(w, "HTTP 500")
 
     def cut_waiting(self, message: str) -> int:
         """A drain's grace is over: end every request still waiting on its worker now; returns
