@@ -205,6 +205,24 @@ def scripted_fragments() -> list[bytes]:
     return out
 
 
+def chat_completion(content: str = "ok") -> dict[str, Any]:
+    """A whole vLLM chat answer with its usage, as a stand-in worker returns it."""
+    return {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+
+
 def stub_app(chat: Any) -> Any:
     """A vLLM stand-in: /health, /v1/models (serving MODEL), and ``chat`` (a Starlette endpoint)
     at /v1/chat/completions."""

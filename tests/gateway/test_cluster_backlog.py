@@ -189,25 +189,8 @@ async def test_catching_up_on_a_backlog_does_not_stall_the_event_loop() -> None:
         assert a.learned_published == n
 
         b, _ = replica(cfg, port, "b", kv_events=False)
-        bursts: list[int] = []  # dispatches b applied between two turns of its event loop
-
-        async def ticker() -> None:  # another task on b's loop: a request, a probe
-            seen = b.learned_applied
-            while True:
-                await asyncio.sleep(0)
-                bursts.append(b.learned_applied - seen)
-                seen = b.learned_applied
-
-        t = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        synced = []
-        for _ in range(200):
-            synced.append(await b.sync_once())
-            await asyncio.sleep(0)
-            if b.learned_applied >= n:
-                break
+        synced, bursts = await catch_up(b, n)
         await asyncio.sleep(0.05)
-        t.cancel()
         await a.stop()
         await b.stop()
     assert all(synced)
@@ -216,6 +199,33 @@ async def test_catching_up_on_a_backlog_does_not_stall_the_event_loop() -> None:
     # (one sync applied all 50,000 without yielding: 1.8 s on a quiet host).
     assert len(synced) > 1
     assert max(bursts) <= LEARNED_APPLY_CHUNK, f"{max(bursts)} dispatches applied without yielding"
+
+
+async def catch_up(b: ClusterSync, n: int) -> tuple[list[bool], list[int]]:
+    """Sync ``b`` until it applied ``n`` dispatches; returns each sync's result and how many
+    dispatches it applied between two turns of its event loop (seen by another task on it, as a
+    request or a probe would be)."""
+    bursts: list[int] = []
+
+    async def ticker() -> None:
+        seen = b.learned_applied
+        while True:
+            await asyncio.sleep(0)
+            bursts.append(b.learned_applied - seen)
+            seen = b.learned_applied
+
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    synced = []
+    try:
+        for _ in range(200):
+            synced.append(await b.sync_once())
+            await asyncio.sleep(0)
+            if b.learned_applied >= n:
+                break
+    finally:
+        t.cancel()
+    return synced, bursts
 
 
 async def retained_by_outage(

@@ -22,6 +22,7 @@ from scoring.policy import make_policy
 from scoring.precise import PreciseIndex
 from scoring.state import RoutingState
 from scoring.views import RouteRequest
+from tests.gateway.test_cluster_backlog import catch_up
 from workers.registry import Registry
 from workers.worker import WorkerSpec
 
@@ -314,24 +315,7 @@ async def test_kv_mode_catch_up_yields_the_event_loop_by_work() -> None:
         assert a.learned_published == n
 
         b, _, sb = replica(cfg, url, "b", kv=True, workers=workers)
-        bursts: list[int] = []
-
-        async def ticker() -> None:  # any other task on b's loop: a request, a probe
-            seen = b.learned_applied
-            while True:
-                await asyncio.sleep(0)
-                bursts.append(b.learned_applied - seen)
-                seen = b.learned_applied
-
-        t = asyncio.create_task(ticker())
-        await asyncio.sleep(0)
-        synced = []
-        for _ in range(200):
-            synced.append(await b.sync_once())
-            await asyncio.sleep(0)
-            if b.learned_applied >= n:
-                break
-        t.cancel()
+        synced, bursts = await catch_up(b, n)
         await a.stop()
         await b.stop()
     assert all(synced) and b.learned_applied == n

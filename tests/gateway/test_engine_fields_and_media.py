@@ -31,7 +31,14 @@ from gateway.errors import APIError
 from gateway.quota import TenantLimits
 from gateway.tenancy import Tenant, apply_caps, estimate_prompt_tokens
 from gateway.validate import parse_request
-from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app
+from tests.gateway.conftest import (
+    MODEL,
+    chat_completion,
+    run_gateway,
+    serve_app,
+    settings_for,
+    stub_app,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -93,22 +100,7 @@ def test_a_completions_suffix_counts_in_every_prompt() -> None:
 def _worker(received: list[dict[str, Any]]) -> Any:
     async def chat(request: Request) -> Response:
         received.append(orjson.loads(await request.body()))
-        return JSONResponse(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 1,
-                "model": MODEL,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-            }
-        )
+        return JSONResponse(chat_completion())
 
     return stub_app(chat)
 

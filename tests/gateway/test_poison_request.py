@@ -18,7 +18,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app
+from tests.gateway.conftest import (
+    MODEL,
+    chat_completion,
+    run_gateway,
+    serve_app,
+    settings_for,
+    stub_app,
+)
 
 ENVELOPE = {"error": {"message": "", "type": "InternalServerError", "param": None, "code": 500}}
 
@@ -28,22 +35,7 @@ def _worker(fail_all: bool = False) -> Any:
         body = orjson.loads(await request.body())
         if fail_all or "poison" in orjson.dumps(body).decode():
             return JSONResponse(ENVELOPE, status_code=500)
-        return JSONResponse(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 1,
-                "model": MODEL,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-            }
-        )
+        return JSONResponse(chat_completion())
 
     return stub_app(chat)
 

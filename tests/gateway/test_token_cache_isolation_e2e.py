@@ -17,7 +17,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.config import Settings
-from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app
+from tests.gateway.conftest import (
+    MODEL,
+    chat_completion,
+    run_gateway,
+    serve_app,
+    settings_for,
+    stub_app,
+)
 from tests.scoring.test_token_cache_scope import SYSTEM, keyer
 
 KEYS = {"victim": "kvg-iso-victim", "attacker": "kvg-iso-attacker"}
@@ -25,22 +32,7 @@ KEYS = {"victim": "kvg-iso-victim", "attacker": "kvg-iso-attacker"}
 
 async def _ok(request: Request) -> Response:
     await request.body()
-    return JSONResponse(
-        {
-            "id": "x",
-            "object": "chat.completion",
-            "created": 1,
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "stop",
-                    "message": {"role": "assistant", "content": "ok"},
-                }
-            ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
-    )
+    return JSONResponse(chat_completion())
 
 
 async def test_an_isolated_tenant_cannot_hit_another_tenants_cached_prefix() -> None:
