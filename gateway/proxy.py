@@ -90,11 +90,16 @@ class Proxy:
         max_attempts = settings.retries.max_attempts
         life = self.life
         # Workers that answered this request's attempt with their own 500 error envelope: the
-        # engine may have failed on the request, not the worker. Blamed (passive failure) once
-        # another worker served it, or when no other could try; not when another worker
-        # answered it alike: then the request is the cause, and one tenant's poison request
-        # (a malformed extension field vLLM raises on) had ejected healthy workers for all.
+        # engine may have failed on the request, not the worker. Blamed (passive failure) only
+        # once another worker served it (`served`): that is the one proof the request was
+        # servable. Any other way out of the loop proves nothing: another worker answering it
+        # alike makes it the request's doing; no other candidate (a model's only worker), a
+        # client gone, a drain's cut or another worker's timeout leave it undecided, and blaming
+        # then let one tenant's poison request (a malformed extension field vLLM raises on)
+        # eject a model's only worker for every tenant. A worker that 500s everything is still
+        # caught: by its deep probes and by the requests other workers serve.
         suspects: list[Worker] = []
+        served = False
         eligible = self.slots.eligible
         try:
             while call.attempts < max_attempts:
@@ -140,6 +145,9 @@ class Proxy:
                     if resp.status != 200:
                         life.refused(worker, call)  # the request itself was turned down
                     if resp.status != 200 or not call.stream:
+                        # Served here (a 200): a suspect's 500 was its own. A 4xx is no proof:
+                        # a worker turning the request down says nothing for its servability.
+                        served = resp.status == 200
                         return await self._whole(call, worker, resp, headers, t, deadline)
                     first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
                     if first is None:
@@ -158,6 +166,7 @@ class Proxy:
                         "content-type", "text/event-stream; charset=utf-8"
                     )
                     handed_off = True
+                    served = True
                     return RelayResponse(life, call, worker, resp, first, headers, t, deadline)
                 except UpstreamConnectError as e:
                     call.upstream_sent = False
@@ -214,8 +223,9 @@ class Proxy:
                 raise last_error
             raise no_capacity(f"no healthy worker is serving model `{call.model}`")
         finally:
-            for w in suspects:
-                life.failed(w, "HTTP 500")
+            if served:
+                for w in suspects:
+                    life.failed(w, "HTTP 500")
 
     def cut_waiting(self, message: str) -> int:
         """A drain's grace is over: end every request still waiting on its worker now; returns
