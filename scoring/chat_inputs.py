@@ -355,22 +355,31 @@ def _scalar_bytes(obj: Any) -> int:
     return 4 if t is bool or obj is None else len(str(obj))  # true, false, null
 
 
-def _json_bytes(obj: Any, depth: int = 1) -> int:
+# Nesting levels a template's JSON is sized flat (see `_json_bytes`) in fields no common
+# template prints indented (messages' JSON, `response_format`, `tool_choice`).
+_FLAT_DEPTH = 16
+# A depth no nesting reaches from: `_json_bytes` from here charges no indentation anywhere.
+_NEVER_DEEP = -(1 << 40)
+
+
+def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
     """About the UTF-8 size of ``obj`` as a template writes it (``tojson``, or ``key: value``):
     strings, keys and numbers exactly, quotes and separators approximated (2 per string, 4 per
     key, 1 per item). Templates serialise tool schemas and documents whole, so their keys are
     prompt tokens too. Parsed JSON holds only these exact types, so ``type() is`` stands in for
     the ABC checks, and string leaves, most of a schema, are sized inline rather than by a call.
 
-    Past ``_FLAT_DEPTH`` levels every element is charged what ``tojson(indent=4)`` (Llama 3.x's
-    tools) writes before it, a line of 4 x depth spaces: a list nested d deep is 2d bytes of
-    body and ~4d^2 rendered, and a 6 kB body of deep tool schemas rendered 2.5 MB (~300x) past
-    a 2,000-token `max_input_tokens` (review finding). Real schemas stay shallow and pay nothing.
+    Past ``flat`` levels every element is charged what ``tojson(indent=4)`` writes before it, a
+    newline and 4 x depth spaces (``depth``: the container's level, 1 for the outermost), as is
+    each container's closing line. Fields a common template prints that way (`_indented_bytes`)
+    are sized so from the top; any other past ``_FLAT_DEPTH``, where a list nested d deep is 2d
+    bytes of body and ~4d^2 indented (6 kB of deep tool schemas rendered 2.5 MB, ~300x, past a
+    2,000-token `max_input_tokens`: review finding).
     """
     t = type(obj)
     if t is str:
         return (len(obj) if obj.isascii() else utf8_len(obj)) + 2
-    ind = 4 * depth + 1 if depth > _FLAT_DEPTH else 0
+    ind = 4 * depth + 1 if depth > flat else 0
     if t is dict:
         n = 2 + ind
         for k, v in obj.items():
@@ -379,7 +388,7 @@ def _json_bytes(obj: Any, depth: int = 1) -> int:
             if tv is str:
                 n += (len(v) if v.isascii() else utf8_len(v)) + 2
             elif tv is dict or tv is list:
-                n += _json_bytes(v, depth + 1)
+                n += _json_bytes(v, depth + 1, flat)
             else:
                 n += _scalar_bytes(v)
         return n
@@ -390,17 +399,28 @@ def _json_bytes(obj: Any, depth: int = 1) -> int:
             if tv is str:
                 n += (len(v) if v.isascii() else utf8_len(v)) + 3 + ind
             elif tv is dict or tv is list:
-                n += _json_bytes(v, depth + 1) + 1 + ind
+                n += _json_bytes(v, depth + 1, flat) + 1 + ind
             else:
                 n += _scalar_bytes(v) + 1 + ind
         return n
     return _scalar_bytes(obj)
 
 
-# Nesting levels a template's JSON is sized flat (see `_json_bytes`).
-_FLAT_DEPTH = 16
-# A depth no nesting reaches from: `_json_bytes` from here charges no indentation anywhere.
-_NEVER_DEEP = -(1 << 40)
+def _indented_bytes(obj: Any) -> int:
+    """JSON a template may print with ``tojson(indent=4)``, sized with its indentation at every
+    depth: Llama 3.x prints each tool so (``custom_tools`` too), and `documents` and template
+    kwargs, which templates print whole, are sized alike. Sized flat up to 16 levels, a wide
+    list of small items (an enum of 5,000 numbers five lists deep) rendered 23x the bytes
+    charged against `max_input_tokens` (review finding): there an element's indentation, not
+    its text, is most of the prompt. Real schemas pay for it too, about doubled in bytes (3
+    small tools: 1,023 B compact, 2,103 B indented), which is what such a template prints; a
+    template printing them compact is over-charged by that much (the reservation's excess is
+    settled back; the input cap errs on the safe side). Messages are not sized this way: their
+    text is printed as is, and the JSON in them (tool calls' arguments) compact.
+
+    A list is sized from depth 0 (each element one line: its own newline) so that its elements
+    are at depth 1: these templates print each tool or document on its own, not the list."""
+    return _json_bytes(obj, 0, -1)
 
 
 def body_bytes(body: Mapping[str, Any]) -> int:
@@ -467,13 +487,21 @@ def _template_kwargs_bytes(kw: Any) -> int:
     # chat_inputs does), but vLLM before its kwargs rework (still 0.11, which kvgate serves)
     # let the request's `tools` / `documents` here replace the ones the template prints, so
     # 100 kB of tools in them passed as 3 tokens (review finding). Over-counting is settled back.
-    return _json_bytes(kw)
+    # Each value as the template prints it alone (Llama 3.1's `custom_tools`, indented).
+    n = 2
+    for k, x in kw.items():
+        n += (len(k) if type(k) is str and k.isascii() else _scalar_bytes(k)) + 4
+        n += _indented_bytes(x)
+    return n
 
 
 # How each rendered field is sized: every one of RENDERED_FIELDS and RENDERER_FIELDS, and only
 # those; the JSON it holds unless it has its own rule.
 _FIELD_BYTES: dict[str, Callable[[Any], int]] = {
     **dict.fromkeys((*RENDERED_FIELDS, *RENDERER_FIELDS), _json_bytes),
+    # Printed with `tojson(indent=4)` by common templates (`_indented_bytes`).
+    "tools": _indented_bytes,
+    "documents": _indented_bytes,
     "chat_template_kwargs": _template_kwargs_bytes,
 }
 _NO_MEDIA: Mapping[str, int] = {}

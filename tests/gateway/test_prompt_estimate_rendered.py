@@ -11,6 +11,7 @@ what reaches the template is what the estimate counts.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -250,11 +251,63 @@ def test_token_mode_keys_a_quadratic_render_as_text_instead_of_rendering_it() ->
     assert '"name": "f"' in keyer.render(chat_body(**FIELDS["tools"]))
 
 
-def test_shallow_schemas_are_estimated_as_before() -> None:
-    # Depths real tool schemas reach (objects in objects five deep) pay no indentation charge.
+def test_shallow_schemas_are_estimated_at_what_an_indenting_template_prints() -> None:
+    # Updated with the indentation fix (review finding below): this test said shallow schemas
+    # paid no indentation at all, which is what let a wide list at a shallow depth through. An
+    # indenting template (Llama 3.x) prints their indentation too, so it is charged, and no more
+    # than that render: a compact-printing template is over-charged by the indentation alone.
     nest: Any = {"type": "string"}
     for _ in range(5):
         nest = {"type": "object", "properties": {"x": nest}}
-    body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": nest}}]}
-    flat = len(orjson.dumps(body["tools"]))
-    assert estimate_prompt_tokens(True, body, 4.0) <= flat / 4 * 1.6
+    tool = {"type": "function", "function": {"name": "f", "parameters": nest}}
+    est = estimate_prompt_tokens(True, {"tools": [tool]}, 4.0)
+    indented = len(json.dumps(tool, indent=4))
+    assert 0.9 * indented <= est * 4 <= 1.1 * indented, (est * 4, indented)
+    # JSON in a message (a tool call's arguments) is printed compact: still sized flat.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": nest}}
+    msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+    flat = len(orjson.dumps(msg))
+    assert estimate_prompt_tokens(True, {"messages": [msg]}, 4.0) * 4 <= 1.3 * flat
+
+
+# Templates printing each tool (Llama 3.x, `custom_tools` too) and each document (Granite) with
+# `tojson(indent=4)`, as transformers' `tojson` writes it.
+INDENTING = (
+    "{%- set ts = custom_tools if custom_tools is defined else tools %}"
+    "{%- for t in ts or [] %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{%- for d in documents or [] %}{{- d | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+)
+
+
+def _wide(leaf_items: int = 5000, lists: int = 5) -> dict[str, Any]:
+    """A schema with an enum of `leaf_items` small numbers, `lists` lists deep: 10 kB of body."""
+    enum: Any = [0] * leaf_items
+    for _ in range(lists):
+        enum = [enum]
+    return {"type": "object", "properties": {"x": {"type": "integer", "enum": enum}}}
+
+
+WIDE_FIELDS: dict[str, dict[str, Any]] = {
+    "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": _wide()}}]},
+    "custom_tools": {
+        "chat_template_kwargs": {"custom_tools": [{"name": "f", "parameters": _wide()}]}
+    },
+    "documents": {"documents": [{"title": "t", "table": _wide()}]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(WIDE_FIELDS))
+def test_a_wide_list_at_a_shallow_depth_is_estimated_at_what_an_indenting_template_prints(
+    case: str,
+) -> None:
+    # Review finding: JSON nested under 16 levels was charged no indentation, so an enum of
+    # 5,000 numbers five lists deep in a tool (10 kB of body) rendered 23x the bytes charged
+    # against `max_input_tokens`: each item is 2 bytes of body and a ~50-byte indented line.
+    body = chat_body(**WIDE_FIELDS[case])
+    msgs, tools, kw = chat_inputs(body)
+    printed = len(ChatTemplate({"default": INDENTING}, {})(msgs, tools, **kw).encode())
+    est = estimate_prompt_tokens(True, body, 4.0)
+    assert 0.9 * printed <= est * 4 <= 1.25 * printed, (est * 4, printed)
+    with pytest.raises(APIError):
+        apply_caps(tenant(max_input_tokens=printed // 8), MODEL, body, est, is_chat=True)
