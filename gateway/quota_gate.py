@@ -151,8 +151,17 @@ class QuotaGate:
                 # The script may have run with its reply lost (a timeout, Redis killed after
                 # the write): a full refund for this id, replayed later, frees what it may hold
                 # and is a no-op on a store that never saw it.
-                orphan = Ticket(tenant, request_id, model, tokens, self.shared, None)
-                self._defer(_Deferred(orphan, None, True), None)
+                self._defer_orphan(tenant, request_id, model, tokens)
+            except asyncio.CancelledError:
+                # Cancelled mid-call (a drain whose grace ended cuts walks not yet sent to a
+                # worker): the script may have run on the store with its reply still on the
+                # wire, and no ticket is returned to release what it holds, so the reservation
+                # and the `max_concurrent` lease stayed until the lease TTL, on every replica.
+                # The same maybe-admitted refund as above, deferred: the cancel must go on now,
+                # and the replayer (or `close`, at shutdown after the drain) applies it. The
+                # store did not fail: the breaker is not told.
+                self._defer_orphan(tenant, request_id, model, tokens)
+                raise
         if adm is None:
             if tenant.cfg.on_store_failure == "closed":
                 m.child(m.tenant_requests, tenant.name, "store_unavailable").inc()
@@ -175,6 +184,13 @@ class QuotaGate:
         m.child(m.tenant_tokens, tenant.name, "reserved").inc(tokens)
         m.child(m.tenant_in_flight, tenant.name).inc()
         return Ticket(tenant, request_id, model, tokens, store, adm)
+
+    def _defer_orphan(self, tenant: Tenant, request_id: str, model: str, tokens: int) -> None:
+        """Queue a full refund for an admission whose outcome is unknown (the store may have
+        run it). Replayed like any deferred release; on a store that never admitted the id it
+        finds no reservation and changes nothing, so it is safe to send when in doubt."""
+        orphan = Ticket(tenant, request_id, model, tokens, self.shared, None)
+        self._defer(_Deferred(orphan, None, True), None)
 
     # -- settlement ------------------------------------------------------------------------------
     async def settle(self, t: Ticket, actual_tokens: int) -> None:

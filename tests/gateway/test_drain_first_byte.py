@@ -23,8 +23,18 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from bench.redis_server import RedisServer
+from gateway.quota import Admission, Reservation
+from gateway.quota_redis import RedisQuotaStore
 from tests.faults.conftest import KEY_OPEN, assert_openai_error, run_stack
 from tests.faults.test_stream_endings import error_in_two_halves
+from tests.gateway.accounting_stubs import HEADERS as AUTH
+from tests.gateway.accounting_stubs import (
+    chat_body,
+    completion_doc,
+    tenant_settings,
+    whole_worker,
+)
 from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app
 from tests.support.raw_worker import raw_worker
 
@@ -214,3 +224,44 @@ async def test_a_body_still_uploading_when_the_grace_ends_gets_the_envelope(sims
         err = assert_openai_error(status, ctype, payload)
         assert status == 503 and err["code"] == "shutting_down", err
         assert not g.gw._walks and not g.gw._walks_cut
+
+
+async def test_a_walk_cut_inside_its_quota_admission_frees_its_lease(
+    redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review finding: the grace's end cancels walks not yet sent to a worker, and one of them
+    may be inside its quota admission, the script run on Redis but its reply not yet back. No
+    ticket came back to release, so its reservation and `max_concurrent` lease stayed in the
+    shared store until the lease TTL (15 minutes), blocking the tenant on every replica. The
+    admission now queues a refund for it, which the gateway's shutdown applies at the latest."""
+    worker = whole_worker(lambda body: (200, completion_doc({"prompt_tokens": 3})))
+    prefix = "drain-admit:"
+    async with serve_app(worker) as url:
+        quota = {"backend": "redis", "redis_url": redis.url, "key_prefix": prefix}
+        s = tenant_settings([url], quota)
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=WITHIN_S * 2) as c:
+            await g.wait_healthy(1)
+            store = g.gw.quota.shared
+            real_admit = store.admit
+            ran = asyncio.Event()
+
+            async def reply_pending(res: Reservation) -> Admission:
+                adm = await real_admit(res)  # the script ran: the lease is in Redis
+                ran.set()
+                await asyncio.Event().wait()  # its reply is still on the wire at the cut
+                return adm
+
+            monkeypatch.setattr(store, "admit", reply_pending)
+            post = asyncio.create_task(
+                c.post(g.url + "/v1/chat/completions", content=chat_body(False), headers=AUTH)
+            )
+            await asyncio.wait_for(ran.wait(), WITHIN_S)
+            assert (await store.usage("t"))["in_flight"] == 1
+            await asyncio.wait_for(g.gw.drain(grace_s=0), WITHIN_S)
+            _assert_shutting_down(await asyncio.wait_for(post, WITHIN_S))
+        # The gateway has stopped (as a drained process does): nothing of the request is held.
+        check = RedisQuotaStore(redis.url, prefix=prefix)
+        try:
+            assert (await check.usage("t"))["in_flight"] == 0
+        finally:
+            await check.close()

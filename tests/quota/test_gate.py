@@ -18,8 +18,9 @@ from prometheus_client import generate_latest
 from bench.redis_server import RedisServer
 from gateway.config import QuotaSettings, TenantSettings
 from gateway.metrics import GatewayMetrics
-from gateway.quota import Admission
+from gateway.quota import Admission, Reservation
 from gateway.quota_gate import QuotaGate, Ticket, _refusal
+from gateway.quota_redis import RedisQuotaStore
 from gateway.tenancy import Tenant, _limits
 from tests.gateway.conftest import flat_metrics
 
@@ -193,3 +194,97 @@ def test_a_concurrency_refusal_names_the_keys_limit_not_the_leases_it_counted() 
     adm = Admission(allowed=False, dimension="concurrency", in_flight=5, retry_after_s=1.0)
     e = _refusal(adm, "m", 10, max_concurrent=2)
     assert e.status == 429 and "(limit 2)" in e.message
+
+
+async def store_snapshot(url: str) -> dict[bytes, object]:
+    """Every key under the gate's prefix with its value, whatever its type: what a store
+    operation changed shows as a difference (the rate cells hold absolute times, which do not
+    move by themselves as the remaining budget a `usage` computes does)."""
+    r = aioredis.from_url(url)
+    try:
+        out: dict[bytes, object] = {}
+        async for k in r.scan_iter("gate:*"):
+            kind = await r.type(k)
+            if kind == b"string":
+                out[k] = await r.get(k)
+            elif kind == b"hash":
+                out[k] = await r.hgetall(k)
+            elif kind == b"zset":
+                out[k] = await r.zrange(k, 0, -1, withscores=True)
+            else:
+                out[k] = kind
+        return out
+    finally:
+        await r.aclose()
+
+
+async def test_an_admit_cancelled_after_the_store_ran_it_is_refunded_by_shutdown(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review finding: a drain whose grace ends cancels walks not yet sent to a worker, one of
+    # them inside `admit` after Redis ran the admission script but before its reply arrived.
+    # No ticket came back to release it, so its reservation and lease stayed until the lease
+    # TTL (15 min), counted against the tenant's `max_concurrent` on every replica.
+    g, _ = make_gate(own_redis.url)
+    # The replayer then sleeps 1 s between tries: the shutdown's own flush (`close`) is what
+    # frees it here, as it is when a drain ends the process.
+    g.cfg = g.cfg.model_copy(update={"breaker_cooldown_s": 60.0})
+    t = tenant()
+    real_admit = g.shared.admit
+    ran = asyncio.Event()
+
+    async def reply_pending(res: Reservation) -> Admission:
+        adm = await real_admit(res)  # the script ran: reservation and lease are in Redis
+        ran.set()
+        await asyncio.Event().wait()  # its reply is still on the wire when the cut comes
+        return adm
+
+    monkeypatch.setattr(g.shared, "admit", reply_pending)
+    try:
+        walk = asyncio.create_task(g.admit(t, "cut", "m", 1000))
+        await ran.wait()
+        assert (await g.shared.usage("a"))["in_flight"] == 1
+        walk.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await walk
+        assert g.breaker.state.value == "closed"  # a cancel is not a store failure
+    finally:
+        await g.close()
+    check = RedisQuotaStore(own_redis.url, prefix="gate:")
+    try:
+        assert (await check.usage("a"))["in_flight"] == 0  # the lease is free
+    finally:
+        await check.close()
+    assert await open_states(own_redis.url) == ["settled"]  # the reservation refunded
+
+
+async def test_an_admit_cancelled_before_the_store_ran_it_changes_nothing_there(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cut may also land before the script reached Redis: the refund sent when in doubt
+    # must then find nothing to refund. Were it credited, a client's cut requests would buy it
+    # budget back for tokens it never reserved.
+    g, _ = make_gate(own_redis.url)
+    t = tenant()
+    spent = await g.admit(t, "spent", "m", 3000)
+    await g.settle(spent, 3000)  # the tenant has used half its TPM: a refund would show
+    before = await store_snapshot(own_redis.url)
+    reached = asyncio.Event()
+
+    async def never_sent(res: Reservation) -> Admission:
+        reached.set()
+        await asyncio.Event().wait()  # cancelled before the script is sent
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(g.shared, "admit", never_sent)
+    try:
+        walk = asyncio.create_task(g.admit(t, "cut", "m", 3000))
+        await reached.wait()
+        walk.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await walk
+        assert g.deferred == 1
+    finally:
+        await g.close()  # applies the refund for "cut", which Redis never saw
+    assert g.deferred == 0  # it was applied, not dropped
+    assert await store_snapshot(own_redis.url) == before
