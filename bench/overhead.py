@@ -70,6 +70,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -83,6 +84,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.cpu_cap import CpuCap, CpuCapError
 from bench.flame import FlameRecorder
 from bench.metrics import dist, nearest_rank
 from bench.paths import out_path, shown
@@ -542,9 +544,10 @@ class Samples:
     completed: int = 0
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
-    # (kvgate's request id, TTFB) of the measured requests that carried one: matched with the
-    # gateway's request log, they show how long a request waited outside the gateway's own TTFT.
-    gateway_ids: list[tuple[str, float]] = field(default_factory=list)
+    # (kvgate's request id, TTFB, wall-clock send time) of the measured requests that carried
+    # one: matched with the gateway's request log, they show how long a request waited outside
+    # the gateway's own TTFT, and on which side of it.
+    gateway_ids: list[tuple[str, float, float]] = field(default_factory=list)
 
     def error(self, kind: str) -> None:
         self.errors += 1
@@ -615,10 +618,13 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
             }
         ).encode()
 
-    async def one(session: aiohttp.ClientSession) -> tuple[float, float, str, str | None]:
-        """(TTFB, e2e, error kind or "", kvgate's request id) of one request (bench.sse_client,
-        byte mode)."""
+    async def one(
+        session: aiohttp.ClientSession,
+    ) -> tuple[float, float, str, str | None, float]:
+        """(TTFB, e2e, error kind or "", kvgate's request id, wall-clock send time) of one
+        request (bench.sse_client, byte mode)."""
         res = await stream(session, url, body(), headers, parse=False, catch=LADDER_ERRORS)
+        sent_wall = time.time() - (time.perf_counter() - res.sent_at)
         rid = res.headers.get(GATEWAY_ID_HEADER) if res.headers is not None else None
         e2e = res.e2e if res.e2e is not None else time.perf_counter() - res.sent_at
         if isinstance(res.exc, TimeoutError):
@@ -631,7 +637,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
             kind = "stream ended without [DONE]"
         else:
             kind = ""
-        return res.ttfb or 0.0, e2e, kind, rid
+        return res.ttfb or 0.0, e2e, kind, rid, sent_wall
 
     async def connect(session: aiohttp.ClientSession, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -639,7 +645,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
 
     async def user(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < t_end:
-            ttfb, e2e, kind, rid = await one(session)
+            ttfb, e2e, kind, rid, sent_wall = await one(session)
             t1 = time.monotonic()
             if t1 >= t_measure:
                 if kind:
@@ -648,7 +654,7 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
                     out.ttfb.append(ttfb)
                     out.e2e.append(e2e)
                     if rid is not None:
-                        out.gateway_ids.append((rid, ttfb))
+                        out.gateway_ids.append((rid, ttfb, sent_wall))
             if not kind and t_measure <= t1 < t_end:
                 out.completed += 1
             if kind:
@@ -682,26 +688,71 @@ LADDER_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, aiohttp.ClientEr
 GATEWAY_ID_HEADER = "x-kvgate-request-id"
 
 
-def outside_ttft(ids: list[tuple[str, float]], log_lines: list[bytes]) -> dict[str, Any] | None:
+def _head_at(rec: dict[str, Any]) -> float | None:
+    """When a logged request's head was complete (wall clock): its line's time minus its e2e."""
+    try:
+        ts = datetime.fromisoformat(str(rec["ts"]).replace("Z", "+00:00")).timestamp()
+        return ts - float(rec["e2e_ms"]) / 1e3
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def outside_ttft(
+    ids: list[tuple[str, float, float]], log_lines: list[bytes]
+) -> dict[str, Any] | None:
     """How long requests waited outside kvgate's own TTFT: the client's TTFB minus the TTFT the
     gateway logged for the same request id (its clock starts at the complete request head), in
     ms, over the requests found in the JSON request log (`log_lines`). What it counts: the
     connection's accept and the head's read before kvgate's timer, the first event's way back
     to the client, and the load generator's own delays. None when no request matched (another
-    router, or the log off)."""
-    ttft: dict[str, float] = {}
+    router, or the log off).
+
+    Where the time went, each as p50/p99/max (issue: "where time goes between accept and the
+    first byte"): `before_head`, from the client's send to the complete head (the log line's
+    time, taken as the request is finished, minus its e2e; the clocks are this host's, the log's
+    to the millisecond), i.e. waiting in the socket for a busy loop; `in_gateway`, from the head
+    to the worker (the log's `sent_ms`: body, checks, keying, quota, admission queue, a
+    connection); `worker`, from there to the first event written to the client (the worker's
+    own TTFT and the relay); `after_first_write`, the rest, the event's way back."""
+    recs: dict[str, tuple[float, float | None, float | None]] = {}
     for line in log_lines:
         if b'"ttft_ms"' not in line or not line.startswith(b"{"):
             continue
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, TypeError):
             rec = json.loads(line)
-            if rec.get("ttft_ms") is not None and rec.get("request_id"):
-                ttft[rec["request_id"]] = rec["ttft_ms"]
-    gaps = [ttfb * 1e3 - ttft[rid] for rid, ttfb in ids if rid in ttft]
+            if rec.get("ttft_ms") is None or not rec.get("request_id"):
+                continue
+            recs[rec["request_id"]] = (rec["ttft_ms"], rec.get("sent_ms"), _head_at(rec))
+    gaps, before, after, inside, worker = [], [], [], [], []
+    for rid, ttfb, sent_wall in ids:
+        r = recs.get(rid)
+        if r is None:
+            continue
+        ttft, sent, head = r
+        gaps.append(ttfb * 1e3 - ttft)
+        if head is not None:
+            before.append((head - sent_wall) * 1e3)
+            after.append(gaps[-1] - before[-1])
+        if sent is not None:
+            inside.append(sent)
+            worker.append(ttft - sent)
     if not gaps:
         return None
-    d = dist(gaps)
-    return {"matched": len(gaps), **{q: round(d[q], 3) for q in ("p50", "p99", "max")}}
+
+    def qs(xs: list[float]) -> dict[str, float]:
+        d = dist(xs)
+        return {q: round(d[q], 3) for q in ("p50", "p99", "max")}
+
+    out: dict[str, Any] = {"matched": len(gaps), **qs(gaps)}
+    for name, xs in (
+        ("before_head", before),
+        ("in_gateway", inside),
+        ("worker", worker),
+        ("after_first_write", after),
+    ):
+        if xs:
+            out[name] = qs(xs)
+    return out
 
 
 CONNECTED = "connected"
@@ -997,17 +1048,23 @@ def start_kvgate(
     policy: str | None = None,
     processes: int = 1,
     redis_url: str | None = None,
+    cap: CpuCap | None = None,
 ) -> tuple[Proc, str]:
     """`kvgate serve` with the default config (`processes` of it), pinned to `cores`; ready once
     it (every process of it) sees every worker healthy and has routed one completion."""
     port = free_ports(1)
-    cfg = logs / f"kvgate-p{processes}.toml"
+    # Its own directory, as in a deployment: the config watcher watches the config's directory,
+    # and the router's stdout log written beside it woke the watcher hundreds of times a second
+    # (~5% of the router's core in py-spy samples), a cost no deployment pays.
+    cfg = logs / "config" / "kvgate" / f"kvgate-p{processes}.toml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
     cfg.write_text(kvgate_default_toml(port, urls, policy, processes, redis_url), encoding="utf-8")
     proc = start(
         kvgate_target_name(processes).replace(" ", "-"),
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg)],
         logs,
         cores=[cores] if isinstance(cores, int) else cores,
+        cap=cap,
     )
     url = f"http://{HOST}:{port}"
 
@@ -1109,7 +1166,8 @@ def run_ladder_target(
             f"  {t.name:<14} c={c:<5} {row['rps']:8.1f} req/s  TTFB p50/p99 "
             f"{_ms(row['ttfb_ms']['p50'])}/{_ms(row['ttfb_ms']['p99'])} ms  "
             f"errors {row['errors']}  router CPU {_pct(row['router_cpu'])}"
-            + (f"  outside TTFT max {_outside(row)} ms" if row.get("outside_ttft_ms") else ""),
+            + (f"  outside TTFT max {_outside(row)} ms" if row.get("outside_ttft_ms") else "")
+            + _split(row),
             markup=False,
             highlight=False,
         )
@@ -1191,6 +1249,22 @@ def _outside(row: dict[str, Any]) -> str:
     return "-" if not o else _ms(o["max"])
 
 
+def _split(row: dict[str, Any]) -> str:
+    """Where kvgate's TTFB went at p99 (`outside_ttft`'s split), for the per-level line."""
+    o = row.get("outside_ttft_ms") or {}
+    parts = [
+        f"{label} {_ms(o[k]['p99'])}"
+        for k, label in (
+            ("before_head", "socket"),
+            ("in_gateway", "gateway"),
+            ("worker", "worker"),
+            ("after_first_write", "back"),
+        )
+        if k in o
+    ]
+    return f"  p99 ms: {', '.join(parts)}" if parts else ""
+
+
 def _io(row: dict[str, Any]) -> str:
     r, w = row.get("router_reads_per_request"), row.get("router_writes_per_request")
     return "-" if r is None or w is None else f"{r:.1f}+{w:.1f}"
@@ -1201,6 +1275,16 @@ def _cpu_ms(row: dict[str, Any]) -> str:
     not the router is the bottleneck (on 2 cores the fleet is, and req/s says little)."""
     cpu, rps = row.get("router_cpu"), row.get("rps")
     return f"{cpu / rps * 1000:.3f}" if cpu is not None and rps else "-"
+
+
+def _cap_caption(share: float | None) -> str:
+    if share is None:
+        return ""
+    return (
+        f". Every router held to {share:g} of its core (--router-cpu, a cgroup quota): one at "
+        f"~{share:.0%} CPU is the bottleneck, and its req/s / {share:g} is what a whole core of "
+        "it carries"
+    )
 
 
 def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
@@ -1217,7 +1301,8 @@ def ladder_table(report: dict[str, Any], wide: bool = False) -> Table:
         caption=f"{report['layout_describe']}. Each level {s['seconds']:g} s after "
         f"{s['warmup_s']:g} s warm-up; unique ~{s['prompt_chars']}-char prompts, max_tokens "
         f"{s['max_tokens']}; TTFB = first SSE event; router CPU = its core's busy share "
-        "(direct: the worker's), CPU ms/req = that per completed request",
+        "(direct: the worker's), CPU ms/req = that per completed request"
+        + _cap_caption(s.get("router_cpu")),
         caption_justify="left",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
@@ -1352,7 +1437,14 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
     fleet: list[Proc] = []
     gens: LoadGens | None = None
     redis: Any = None
+    caps: dict[int, CpuCap] = {}  # processes -> its cgroup (kvgate xN gets N x the share)
+
+    def cap_for(processes: int) -> CpuCap | None:
+        return caps.get(processes)
+
     try:
+        for n in {1, *procs} if args.router_cpu is not None else ():
+            caps[n] = CpuCap.create(args.router_cpu * n, f"kvgate-bench-{os.getpid()}-{n}")
         if max(procs) > 1:  # several processes share quotas and worker load through Redis
             from bench.redis_server import RedisServer
 
@@ -1374,11 +1466,17 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
                             args.policy,
                             t.processes,
                             redis.url if redis is not None else None,
+                            cap_for(t.processes),
                         )
                         pid = proc.popen.pid
                     elif t.kind == "peer":
                         proc, url = start_peer(
-                            PEERS[t.name], venvs[t.name], urls, logs, cores=[layout.router]
+                            PEERS[t.name],
+                            venvs[t.name],
+                            urls,
+                            logs,
+                            cores=[layout.router],
+                            cap=cap_for(1),
                         )
                         pid = proc.popen.pid
                     else:
@@ -1392,6 +1490,9 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
                 finally:
                     if proc is not None:
                         proc.stop()
+    except CpuCapError as e:
+        con.print(f"overhead: --router-cpu: {e}", markup=False, highlight=False)
+        return 2
     finally:
         if gens is not None:
             gens.close()
@@ -1399,6 +1500,8 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
             p.stop()
         if redis is not None:
             redis.close()
+        for cap in caps.values():
+            cap.remove()
         if before is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, before)
@@ -1420,6 +1523,7 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
             f"--num-blocks {SIM_NUM_BLOCKS}, one process per worker",
             "kvgate": "default config" + (f", policy {args.policy}" if args.policy else ""),
             "processes": procs,
+            "router_cpu": args.router_cpu,
             "kvgate_processes": "kvgate xN: server.processes = N, [quota] backend redis (no "
             "tenants: no quota calls), [cluster] on; router CPU = its processes' sum",
             "peers": {
@@ -1544,6 +1648,16 @@ def main(argv: list[str] | None = None) -> int:
         "`serve --processes 4` pinned to the last 4 cores (with a local Redis, as several "
         "processes need); implies --ladder (default: 1)",
     )
+    g.add_argument(
+        "--router-cpu",
+        type=float,
+        default=None,
+        metavar="F",
+        help="hold every router (kvgate and each peer; not the direct worker) to F of one core "
+        "with a cgroup CPU quota (10 ms period), so that the router, not the fleet, is the "
+        "bottleneck on a small host: req/s / F is then what one core of it carries (a kvgate "
+        "xN target gets N x F); needs root and the cgroup cpu controller; implies --ladder",
+    )
     args = ap.parse_args(argv)
     con = Console() if sys.stdout.isatty() else Console(width=100)
     if args.processes is not None:
@@ -1553,7 +1667,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
     if args.flame_at is not None and args.flame is None:
         ap.error("--flame-at needs --flame")
-    if args.flame is not None:
+    if args.flame is not None or args.router_cpu is not None:
         args.ladder = True
     if args.ladder or args.peers.strip() not in ("", "none") or args.processes is not None:
         return ladder(args, con)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.cpu_cap import CpuCap
 from bench.paths import REPO
 
 PEERS_DIR = REPO / ".build" / "peers"
@@ -99,13 +100,17 @@ class Proc:
         return _ANSI.sub("", " | ".join(lines[-n:]))[-600:]
 
 
-def _pin(cores: Collection[int]) -> Callable[[], None]:
-    """Runs in the child before exec: the affinity is inherited by every thread it starts."""
-    mask = set(cores)
+def _pin(cores: Collection[int] | None, cap: CpuCap | None = None) -> Callable[[], None]:
+    """Runs in the child before exec: the affinity and the CPU quota (`bench.cpu_cap`) are
+    inherited by every thread and process it starts."""
+    mask = set(cores or ())
 
     def f() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setaffinity(0, mask)
+        if mask:
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setaffinity(0, mask)
+        if cap is not None:
+            cap.join()  # a failure fails the start: an uncapped router would mislead
 
     return f
 
@@ -116,8 +121,10 @@ def start(
     logs: Path,
     env: dict[str, str] | None = None,
     cores: Collection[int] | None = None,
+    cap: CpuCap | None = None,
 ) -> Proc:
-    """Start `argv` with its output in `logs/<name>.log`, pinned to `cores` when given."""
+    """Start `argv` with its output in `logs/<name>.log`, pinned to `cores` and held to the CPU
+    quota `cap` when given."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     f = open(log, "wb")  # noqa: SIM115 - handed to the child, closed with the process
@@ -129,7 +136,7 @@ def start(
         start_new_session=True,
         cwd=REPO,
         env={**os.environ, **(env or {})},
-        preexec_fn=_pin(cores) if cores else None,
+        preexec_fn=_pin(cores, cap) if cores or cap else None,
     )
     f.close()
     return Proc(name, popen, log)
@@ -289,10 +296,11 @@ def start_peer(
     logs: Path,
     cores: Collection[int] | None = None,
     ready_timeout: float = 90.0,
+    cap: CpuCap | None = None,
 ) -> tuple[Proc, str]:
     """Launch the peer against `urls` and wait until it routes one real completion."""
     argv, url, env = peer_command(peer, venv, urls)
-    proc = start(peer.name, argv, logs, env, cores)
+    proc = start(peer.name, argv, logs, env, cores, cap)
     try:
         wait_for(lambda: warm(url), proc, ready_timeout, peer.name)
     except BaseException:

@@ -89,6 +89,9 @@ class Call:
     # The request went to a worker that may be generating it (non-streaming: nothing tells how
     # far it got until the whole answer arrives); cleared when the attempt was refused.
     upstream_sent: bool = False
+    # perf_counter when the (last) attempt went to its worker: the request log's `sent_ms`, the
+    # walk's own share of TTFT (body, checks, keying, quota, admission queue, a connection).
+    t_sent: float = 0.0
     finished: bool = False  # recorded (settled, counted, logged): `Lifecycle.finish` ran
 
 

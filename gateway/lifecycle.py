@@ -175,6 +175,11 @@ class Lifecycle:
                     "attempts": call.attempts,
                     "stream": call.stream,
                     "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+                    # From the request head to the worker: where a slow TTFT was spent, in the
+                    # gateway (sent_ms) or at the worker and on the way back (the rest).
+                    "sent_ms": round((call.t_sent - call.t_start) * 1000, 3)
+                    if call.t_sent
+                    else None,
                     "e2e_ms": round(e2e * 1000, 3),
                     "prompt_tokens": u.prompt_tokens if u else None,
                     "completion_tokens": u.completion_tokens if u else None,

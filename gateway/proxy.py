@@ -268,6 +268,7 @@ class Proxy:
         if timeout <= 0:
             raise TimeoutError
         call.upstream_sent = True
+        call.t_sent = time.perf_counter()
         with self.deadlines.within(timeout):
             return await self.client.post(
                 worker.url + call.path,

@@ -270,12 +270,37 @@ def test_outside_ttft_matches_the_client_ttfb_with_the_gateways_request_log() ->
         b"INFO something else",
         b'{"ts":"x","msg":"request","request_id":"kvg-d","ttft_ms": 1.0',  # cut off: skipped
     ]
-    ids = [("kvg-a", 0.0125), ("kvg-b", 1.005), ("kvg-c", 0.5), ("kvg-d", 0.1), ("nope", 9.0)]
+    ids = [
+        ("kvg-a", 0.0125, 0.0),
+        ("kvg-b", 1.005, 0.0),
+        ("kvg-c", 0.5, 0.0),
+        ("kvg-d", 0.1, 0.0),
+        ("nope", 9.0, 0.0),
+    ]
     out = outside_ttft(ids, lines)
     assert out is not None
     assert out["matched"] == 2
     assert out["p50"] == pytest.approx(2.5) and out["max"] == pytest.approx(1000.0)
-    assert outside_ttft([("nope", 1.0)], lines) is None
+    assert "before_head" not in out  # no usable time on these lines: no split, the gap stays
+    assert outside_ttft([("nope", 1.0, 0.0)], lines) is None
+
+
+def test_outside_ttft_says_on_which_side_of_the_gateway_the_time_went() -> None:
+    """Sent at t=100.000 s; the head complete at 100.250 (the line's time 100.400 minus its e2e
+    of 150 ms): 250 ms in the socket. Then 30 ms in the gateway before the worker had it, 20 ms
+    at the worker (TTFT 50 ms), and the client saw the first byte at 100.310: 10 ms on the way
+    back."""
+    line = (
+        b'{"ts":"1970-01-01T00:01:40.400Z","msg":"request","request_id":"kvg-a",'
+        b'"ttft_ms":50.0,"sent_ms":30.0,"e2e_ms":150.0}'
+    )
+    out = outside_ttft([("kvg-a", 0.310, 100.0)], [line])
+    assert out is not None and out["matched"] == 1
+    assert out["max"] == pytest.approx(260.0)
+    assert out["before_head"]["max"] == pytest.approx(250.0)
+    assert out["in_gateway"]["max"] == pytest.approx(30.0)
+    assert out["worker"]["max"] == pytest.approx(20.0)
+    assert out["after_first_write"]["max"] == pytest.approx(10.0)
 
 
 def test_summary_table_fits_100_columns() -> None:

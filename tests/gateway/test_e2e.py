@@ -487,3 +487,24 @@ async def test_bad_input_gets_the_envelope_and_never_reaches_a_worker(
         after = await worker_metrics(fleet.urls[0])
     key = 'vllm:prompt_tokens_total{engine="0",model_name="sim-llama"}'
     assert after.get(key, 0) == before.get(key, 0)
+
+
+async def test_the_request_log_says_how_long_the_walk_took_before_the_worker_had_it(
+    sims, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """`sent_ms` (head -> written to the worker) splits a slow TTFT into the gateway's share and
+    the worker's; a walk held back (here: 300 ms the worker adds) shows on the worker's side,
+    never the gateway's, and no share exceeds the whole."""
+    fleet = sims(1)
+    async with run_gateway(settings_for(fleet.urls)) as g:
+        await g.wait_healthy(1)
+        await sim_faults(fleet.urls[0], added_latency_ms=300)
+        with caplog.at_level("INFO", logger="kvgate.request"):
+            r = await post(g.url + "/v1/chat/completions", {**CHAT, "stream": True})
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            await until(lambda: any(r.msg == "request" for r in caplog.records), 10, "log")
+    (rec,) = [rec for rec in caplog.records if rec.msg == "request"]
+    f = rec.fields  # type: ignore[attr-defined]
+    assert f["sent_ms"] is not None and f["ttft_ms"] is not None
+    assert 0 <= f["sent_ms"] <= f["ttft_ms"] <= f["e2e_ms"]
+    assert f["ttft_ms"] - f["sent_ms"] >= 300  # the worker's delay is on the worker's side
