@@ -426,7 +426,11 @@ class ClusterSync:
     async def _sync_load(self) -> bool:
         self.seq += 1
         blob = encode_snapshot(self.seq, self.local_loads())
-        gone = [r for r in self.view.expired() if r in self._in_store]
+        # Peers this replica saw go quiet while it was reading Redis. Not after its own outage:
+        # then every peer looks expired to a view that could not read (a replica whose link was
+        # down past expiry_s deleted every live peer's snapshot on its first sync back, and a
+        # replica starting then counted none of their load; review finding).
+        gone = [r for r in self.view.expired() if r in self._in_store] if self.state == "ok" else []
         keep_ms = self._keep_ms()
         t0 = time.perf_counter()
         try:

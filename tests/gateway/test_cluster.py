@@ -94,3 +94,50 @@ async def test_outage_is_logged_once_remote_load_lapses_and_returns(
     finally:
         await b.stop()
         server.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_a_replica_back_from_its_own_outage_deletes_no_live_peers_load() -> None:
+    """A replica whose own link to Redis was down past expiry_s saw every peer go quiet; on
+    its first sync back it had deleted their snapshots, and a replica reading then (one
+    starting, a `--processes` child) counted none of a live peer's load."""
+    port = free_port()
+    cfg = ClusterSettings(enabled=True, expiry_s=3.0, op_timeout_s=5.0, key_prefix="kvt:{h}:")
+    url = f"redis://127.0.0.1:{port}/0"
+    clock = _Clock()
+    mk = lambda: Registry([WorkerSpec("w0", "http://x")])  # noqa: E731
+    ra, rb, rc = mk(), mk(), mk()
+    server = RedisServer(port)
+    server.start()
+    a = ClusterSync(cfg, ra, redis_url=url, replica_id="a", clock=clock)
+    b = ClusterSync(cfg, rb, redis_url=url, replica_id="b", clock=clock)
+    bad = ClusterSync(cfg, ra, redis_url=f"redis://127.0.0.1:{free_port()}/0", replica_id="x")
+    c = ClusterSync(cfg, rc, redis_url=url, replica_id="c", clock=clock)
+    try:
+        rb.workers["w0"].in_flight = 7
+        assert await a.sync_once() and await b.sync_once() and await a.sync_once()
+        # A loses its own link to Redis for 4 s (> expiry_s) while B keeps publishing.
+        good = a.client
+        a.client = bad.client
+        for _ in range(8):
+            clock.t += 0.5
+            assert not await a.sync_once()
+            assert await b.sync_once()
+        a.client = good
+        assert await a.sync_once()  # first successful sync after A's outage
+        # C (a replica starting now, or any reader between this and B's next tick) reads:
+        assert await c.sync_once()
+        assert rc.workers["w0"].remote_in_flight == 7, (
+            "live peer b's snapshot was deleted by a's first sync after its own outage"
+        )
+    finally:
+        for s in (a, b, c, bad):
+            await s.stop()
+        server.close()
