@@ -5,7 +5,15 @@ wait; a streaming request made two (the worker's response head, then its first e
 the gateway's core under the bench overhead ladder. Here a wait puts its deadline in a dict, and
 one timer, ticking every ``tick_s`` while any wait is live, cancels the tasks whose deadline has
 passed. A wait can end up to one tick late; the bounds it serves are seconds (`first_byte_s`,
-`total_s`), the tick 20 ms.
+`total_s`, `connect_s`), the tick 20 ms.
+
+The gateway's own stalls do not count against a wait (up to the wait's own length again): a
+tick that runs late says the loop was busy with other work, and the event a wait is for may be
+sitting unread meanwhile, since the loop runs timers before it polls for I/O. Without that, a
+gateway saturated by a spike (a loop iteration of ~1 s at 1,024 streams on a third of a core)
+timed out its own connects to healthy workers (`connect_s` 2 s: a connect takes a few loop
+iterations), counted them as the workers' failures, ejected every worker and answered the rest
+of the spike with 503s (`bench overhead --router-cpu 0.3 --workers 6` at 1,024 in flight).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ class Deadlines:
         # it has nothing to expire and skips the scan, which at 1,024 waits in flight cost a
         # scan of all of them every tick (~90 us, 17 us per request in cProfile).
         self._next = float("inf")
+        self._due = 0.0  # loop time the ticking timer was set for
 
     def within(self, seconds: float) -> _Wait:
         return _Wait(self, seconds)
@@ -49,28 +58,48 @@ class Deadlines:
     def _add(self, wait: _Wait, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         at = self._live[wait] = loop.time() + seconds
+        wait.slack = seconds
         if at < self._next:
             self._next = at
         if self._timer is None:
-            self._timer = loop.call_later(self.tick_s, self._sweep, loop)
+            self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._due = loop.time() + self.tick_s
+        self._timer = loop.call_later(self.tick_s, self._sweep, loop)
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
         live = self._live
         now = loop.time()
+        stalled = now - self._due
+        if stalled > self.tick_s and live:
+            self._forgive(stalled)
         if now >= self._next:
             for wait in [w for w, at in live.items() if at <= now]:
                 del live[wait]
                 wait.expire()
             self._next = min(live.values(), default=float("inf"))
         if live:
-            self._timer = loop.call_later(self.tick_s, self._sweep, loop)
+            self._arm(loop)
         else:
             self._next = float("inf")
 
+    def _forgive(self, stalled: float) -> None:
+        """The loop ran `stalled` seconds late: every live wait gets that long again, within
+        its slack (its own length, so a wait ends after twice its bound of wall time at most: a
+        dead worker is still found out under load). O(waits), and only when the loop stalls."""
+        live = self._live
+        for wait, at in live.items():
+            extra = min(stalled, wait.slack)
+            if extra > 0.0:
+                wait.slack -= extra
+                live[wait] = at + extra
+        self._next = min(live.values())
+
 
 class _Wait:
-    __slots__ = ("_cancelling", "_owner", "_seconds", "_task", "expired")
+    __slots__ = ("_cancelling", "_owner", "_seconds", "_task", "expired", "slack")
 
     def __init__(self, owner: Deadlines, seconds: float) -> None:
         self._owner = owner
@@ -78,6 +107,7 @@ class _Wait:
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
         self.expired = False
+        self.slack = 0.0  # time the loop's own stalls may still add to this wait
 
     def __enter__(self) -> _Wait:
         task = asyncio.current_task()

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.deadlines import Deadlines
 from gateway.upstream import (
     AiohttpUpstream,
     UpstreamClient,
@@ -333,6 +334,7 @@ class H1Upstream:
         self.connect_s = connect_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
+        self._deadlines = Deadlines()  # the connect bound
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._open = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -437,7 +439,9 @@ class H1Upstream:
         self._open += 1
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_s):
+            # Not `asyncio.timeout`: a gateway saturated by a spike must not time out its own
+            # connects to healthy workers (`gateway.deadlines`: the loop's stalls are forgiven).
+            with self._deadlines.within(self.connect_s):
                 _t, conn = await loop.create_connection(lambda: _Conn(self, key), *key)
         except TimeoutError as e:
             self._closed_one()

@@ -124,3 +124,39 @@ async def test_a_short_wait_after_a_long_one_still_expires_at_its_own_deadline()
     with pytest.raises(asyncio.CancelledError):
         await long
     assert len(d) == 0
+
+
+def _stall(seconds: float, then: asyncio.Future[str]) -> None:
+    """Hold the loop (a gateway busy with other requests), then let the awaited event in: it
+    arrives right after, as a connect completion sits unread until the loop polls again."""
+    import time
+
+    time.sleep(seconds)
+    asyncio.get_running_loop().call_soon(then.set_result, "connected")
+
+
+async def test_the_loops_own_stall_does_not_time_out_a_wait_whose_event_is_due() -> None:
+    """A spike that keeps the loop busy past a wait's bound is the gateway's doing, not the
+    awaited party's: the wait gets the stall back (its event, here right after the stall, is
+    taken), where asyncio.timeout would have cancelled it at the first late tick (a saturated
+    gateway timed out its own connects to healthy workers and ejected all of them)."""
+    d = Deadlines(tick_s=0.01)
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[str] = loop.create_future()
+    loop.call_soon(_stall, 0.3, fut)
+    with d.within(0.2):
+        assert await fut == "connected"
+
+
+async def test_a_stall_forgives_at_most_the_waits_own_length() -> None:
+    """Twice its bound of wall time at most: a wait for something that never comes still ends,
+    however busy the loop is (a dead worker is found out under load too)."""
+    d = Deadlines(tick_s=0.01)
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[str] = loop.create_future()
+    loop.call_soon(_stall, 0.5, loop.create_future())  # 0.5 s stall > 2 x 0.1 s
+    t0 = loop.time()
+    with pytest.raises(TimeoutError), d.within(0.1):
+        await never
+    assert loop.time() - t0 < 5
+    assert len(d) == 0
