@@ -126,6 +126,22 @@ class Proxy:
                         min(t.first_byte_s, deadline - _now()) if call.stream else deadline - _now()
                     )
                     resp = await self._send(call, worker, wait)
+                    if resp.status < 200:
+                        # A 1xx as the final answer (aiohttp hands a worker's `101 Switching
+                        # Protocols` over; the h1 client fails it itself): no answer to a POST.
+                        # Relayed, the client got a bodiless 101; it is a malformed response,
+                        # treated as the h1 client's connect error is: retried elsewhere.
+                        await resp.abort()
+                        call.upstream_sent = False
+                        last_error = APIError(
+                            502,
+                            "The worker sent a malformed response.",
+                            "upstream_error",
+                            code="upstream_error",
+                        )
+                        life.refused(worker, call)
+                        life.failed(worker, f"HTTP {resp.status}")
+                        continue
                     if resp.status >= 500:
                         call.upstream_sent = False  # refused: nothing was generated
                         body = await _read_bounded(resp, t.idle_s)

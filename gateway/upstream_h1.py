@@ -16,6 +16,13 @@ is `UpstreamStreamError`; `abort` closes the connection (the worker sees the cli
 `release` after a full read returns it to the pool. A pooled connection the worker closed while
 idle is found by `connection_lost` and never handed out; one that dies in the instant between
 being picked and written fails as a connect error, like aiohttp's, and the proxy retries it.
+
+A connection is pooled only while the worker has sent nothing but the answers asked of it: a byte
+that starts another message after the current answer ended (in the same read as its end, or on
+the idle connection) closes it at once (`on_message_begin`), as aiohttp's `should_close` and Go's
+"unsolicited response on idle HTTP channel" do. Reused, that stray response was the next request's
+answer: another client's. A `101 Switching Protocols` (no answer to a POST) is a malformed
+response: a connect error, retried elsewhere.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ from gateway.upstream import (
 HIGH_WATER = 256 * 1024
 
 
+class _Unsolicited(Exception):
+    """Raised from a parser callback to stop parsing a connection that is being closed."""
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection to a worker; its parser outlives the responses it carries."""
 
@@ -56,7 +67,13 @@ class _Conn(asyncio.Protocol):
         self.counted = True  # in the pool's open count until discarded
         self.idle = False
         self.idle_since = 0.0
+        # The transport's reading is paused (`on_body` past HIGH_WATER; `take` resumes it): state
+        # of the socket, not of one response, so `_reset` leaves it, and `release` never pools a
+        # paused connection (its next request would never be read: a first-byte timeout).
+        self.paused = False
         self._reset()
+        # No request in flight yet: a message the worker starts now is unsolicited.
+        self.done = True
 
     def _reset(self) -> None:
         self.status = 0
@@ -69,7 +86,6 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
-        self.paused = False
         # The relay's splice (`_Response.splice`): body chunks go to it from `data_received`; it
         # returns False when it wants its task woken (see `RelayResponse._on_chunk`).
         self.sink: Callable[[bytes], bool] | None = None
@@ -90,9 +106,11 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            # HttpParserUpgrade is no HttpParserError: uncaught, asyncio logged a fatal error.
             self._to_sink()
-            self._fail(f"malformed response from worker: {e}")
+            if not self.done:  # an unsolicited message after a whole answer fails nothing
+                self._fail(f"malformed response from worker: {e}")
             self.close()
             return
         if self.batch:
@@ -120,18 +138,34 @@ class _Conn(asyncio.Protocol):
         return b"content-length" not in names and b"transfer-encoding" not in names
 
     # -- httptools callbacks -------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        """Once per message: after the answer ended (or before a request was written), any byte
+        but CR/LF starts one here (llhttp calls this before it validates anything). Nobody asked
+        for it: the connection is closed and parsing stops, so it reaches neither the response
+        still being read (its headers and body) nor, pooled, the next request on this
+        connection."""
+        if self.done:
+            self.close()
+            raise _Unsolicited
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            # An interim response (100 Continue, 103 Early Hints): the real one follows on this
-            # connection. Taken for the answer, it ended the request with an empty body and the
-            # connection went back to the pool with that answer still to come.
-            self.interim = True
-            self.raw_headers = []
-            return
+        if status < 200:
+            if status >= 100 and status != 101:
+                # An interim response (100 Continue, 103 Early Hints): the real one follows on
+                # this connection. Taken for the answer, it ended the request with an empty body
+                # and the connection went back to the pool with that answer still to come.
+                self.interim = True
+                self.raw_headers = []
+                return
+            # 101 Switching Protocols (what follows is another protocol), or no HTTP status at
+            # all: no answer to a POST. Malformed, so a connect error (retried elsewhere), never
+            # a bodiless 101 for the client; parsing stops and the connection is closed.
+            self._fail(f"malformed response from worker: HTTP {status} to a POST")
+            raise _Unsolicited
         self.status = status
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
@@ -319,7 +353,7 @@ class _Response:
             return
         self._settled = True
         c = self._conn
-        if c.done and c.keep_alive and not c.closed and not c.body:
+        if c.done and c.keep_alive and not c.closed and not c.body and not c.paused:
             self._pool.put_back(c)
         else:
             self._pool.discard(c)
@@ -383,6 +417,9 @@ class H1Upstream:
                 sent()
                 sent = None
             conn = await self._acquire(key)
+            if conn.closed:  # closed before its request (it sent something unasked: `_Conn`)
+                self.discard(conn)
+                raise UpstreamConnectError("worker closed the connection")
         try:
             conn.begin(asyncio.get_running_loop())
             head = [line]
