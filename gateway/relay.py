@@ -36,6 +36,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.proxy")
 
 _DONE = b"data: [DONE]\n\n"
+# The most bytes one SSE event may take before its blank line. The relay holds an event until it
+# is whole, so a worker that never ends one (no blank line: a broken server, CRLF framing, which
+# the scan does not take for a boundary) would otherwise grow that buffer without bound until
+# total_s, while its client gets nothing. The cap sits far above any real event of vLLM: a
+# token's event is well under 1 kB, even with top_logprobs=20 only a few kB, and the largest is
+# the first event of a streamed /v1/completions with `echo` and `logprobs`, which carries the
+# whole prompt with its logprobs: ~600 bytes per prompt token at logprobs=20, so ~40 MB for a
+# 64k-token prompt (the whole-response path sees such answers of tens of MB too). 64 MiB takes
+# prompts up to ~110k tokens at that; past it the stream ends with the in-band upstream error.
+EVENT_MAX = 64 * 1024 * 1024
 _STREAM_ERRORS = {
     "idle_timeout": "The worker sent nothing for too long; the gateway ended the stream.",
     "upstream_broken": "The worker's stream ended unexpectedly; the response is incomplete.",
@@ -73,6 +83,9 @@ class RelayResponse(Response):
         self._t = timeouts
         self._deadline = deadline
         self._done = False
+        # [DONE], or an event over EVENT_MAX: the byte scan (`_feed`) takes no more bytes.
+        self._scan_over = False
+        self._too_big = False  # an event over EVENT_MAX, seen by the splice: the pump fails it
         self._finished = False  # _complete ran: slot, lease and settlement are already settled
         self.cut: str | None = None  # set (then the task cancelled) to end the stream: shutdown
         self.stalled = False  # set (then the task cancelled) by _check_stall
@@ -91,7 +104,10 @@ class RelayResponse(Response):
         self._acked = -1  # bytes the client had acked at the last stall check
         self._progress_at = 0.0  # perf_counter of the last stall check that saw progress
         # What the byte scan (`_feed`) keeps between chunks.
-        self._pending = b""  # an event not yet complete
+        # An event not yet complete, in the pieces it came in: joined once, when its end comes
+        # (re-joined on every read, a big event cost quadratic copying).
+        self._pending: list[bytes] = []
+        self._pending_size = 0  # bytes in ``_pending`` (bounded by EVENT_MAX)
         self._out: list[bytes] = []  # complete events not yet written to the client
         self._strip = not call.client_wants_usage
         self._inter: BatchedHistogram | None = None
@@ -227,6 +243,8 @@ class RelayResponse(Response):
                 with self._waiting:
                     if splice is not None:
                         ended = await splice(self._on_chunk)
+                        if self._too_big:
+                            raise UpstreamStreamError(_too_big())
                     else:
                         chunk = await self._next()
                         if chunk:
@@ -235,7 +253,7 @@ class RelayResponse(Response):
                             ended = True
             if not self._done:
                 if self._pending:
-                    await self._send(send, self._pending)
+                    await self._send(send, b"".join(self._pending))
                 raise UpstreamStreamError("worker closed the stream without [DONE]")
         except (UpstreamStreamError, TimeoutError) as e:
             if not (isinstance(e, TimeoutError) and self._done):
@@ -306,31 +324,86 @@ class RelayResponse(Response):
         self._feed(chunk)
 
     def _feed(self, chunk: bytes) -> None:
-        """Scan one chunk from the worker: complete events go to ``_out``; [DONE] ends it."""
-        if self._done:
+        """Scan one chunk from the worker: complete events go to ``_out``; [DONE] ends it.
+
+        Raises UpstreamStreamError for an event over EVENT_MAX (`_whole_events`)."""
+        if self._scan_over:
             return  # nothing after [DONE] reaches the client
         if not self._pending and chunk.endswith(b"\n\n"):
             out = chunk  # the usual case: the worker's writes are whole events
         else:
-            data = self._pending + chunk if self._pending else chunk
-            cut = data.rfind(b"\n\n") + 2
-            if cut < 2:
-                self._pending = data
+            out = self._whole_events(chunk)
+            if not out:
                 return
-            out, self._pending = data[:cut], data[cut:]
+        # [DONE] ends the read (vLLM's last write). Else it is looked for only in a read that
+        # ends in something other than a JSON event (a comment, a blank line after [DONE]): a
+        # search of every read added ~25% to this scan's cost per event. A JSON event after
+        # [DONE] in the same read (no server sends one) hides it: that stream ends as before.
+        done = out.endswith(_DONE)
+        if not done and not out.endswith(b"}\n\n") and b"[DONE]" in out:
+            at = _done_at(out)
+            if at >= 0:  # nothing after [DONE] is the stream's: dropped, as later reads are
+                out = out[: at + len(_DONE)]
+                done = True
         if USAGE_MARK in out:
             out = self._take_usage(out, self._strip)
         self._call.events += out.count(b"\n\n")
-        if out.endswith(_DONE):
-            self._done = True
+        if done:
+            self._done = self._scan_over = True
+            self._pending.clear()
+            self._pending_size = 0
             out = out[: -len(_DONE)]
         if out:
             self._out.append(out)
 
+    def _whole_events(self, chunk: bytes) -> bytes:
+        """The complete events that ``chunk`` ends (with the pending ones before it, joined),
+        keeping what follows the last of them pending; b"" when it ends none.
+
+        The pending pieces hold no event boundary, so only ``chunk`` is searched, plus the one
+        byte before it: a blank line may straddle two reads ("...\n" + "\n..."). A pending
+        event past EVENT_MAX ends the stream (UpstreamStreamError): it is dropped, and no more
+        bytes are taken."""
+        pending = self._pending
+        cut = chunk.rfind(b"\n\n") + 2
+        if cut < 2:
+            if not (pending and chunk[:1] == b"\n" and pending[-1].endswith(b"\n")):
+                if chunk:
+                    pending.append(chunk)
+                    self._pending_size += len(chunk)
+                    if self._pending_size > EVENT_MAX:
+                        self._overflow()
+                return b""
+            cut = 1  # the straddling blank line ends with the chunk's first byte
+        if pending:
+            pending.append(chunk[:cut])
+            out = b"".join(pending)
+            pending.clear()
+        else:
+            out = chunk[:cut]
+        self._pending_size = rest = len(chunk) - cut
+        if rest:
+            pending.append(chunk[cut:])
+            if rest > EVENT_MAX:
+                self._overflow()
+        return out
+
+    def _overflow(self) -> None:
+        """An event over EVENT_MAX: its bytes are dropped (never sent: the client has none of
+        them) and the scan stops; the stream ends with the upstream error (`_fail`)."""
+        self._pending.clear()
+        self._pending_size = 0
+        self._scan_over = True
+        raise UpstreamStreamError(_too_big())
+
     def _on_chunk(self, chunk: bytes) -> bool:
         """The splice's sink, called from the upstream connection's ``data_received``: scan,
         write to the client if it can take it, and say whether the task may keep sleeping."""
-        self._took(chunk)
+        try:
+            self._took(chunk)
+        except UpstreamStreamError:  # not raised into data_received: the task wakes to fail it
+            self._too_big = True
+            return False
         if self._done:
             return False  # the task settles, then writes these events with [DONE]
         if self._out and not self._write_now():
@@ -485,6 +558,19 @@ class RelayResponse(Response):
         if not strip:
             return out
         return out[:start] + (out[end + 2 :] if end >= 0 else b"")
+
+
+def _too_big() -> str:
+    return f"worker sent an SSE event over {EVENT_MAX} bytes without its end (a blank line)"
+
+
+def _done_at(out: bytes) -> int:
+    """Where the [DONE] event starts in ``out`` (complete events), or -1: at an event's start
+    only (the start of ``out``, or right after a blank line), not in an event's text."""
+    if out.startswith(_DONE):
+        return 0
+    at = out.find(b"\n\n" + _DONE)
+    return at + 2 if at >= 0 else -1
 
 
 class _AwaitingWorker:
