@@ -13,6 +13,13 @@ A few thousand silent or half-sent connections then lock every real client out. 
   idle sockets then recycles itself while real clients, whose heads arrive within milliseconds,
   get through. Only when every connection is busy with a request is the newcomer refused (a
   prebuilt 503 and close: no parsing, no task).
+* A connection the server closes with bytes it wrote still unsent (in the transport's buffer:
+  a client that does not read) is aborted instead, with a reset: asyncio's and uvloop's `close`
+  waits for the buffer to drain, forever for such a client, and the socket, its pending bytes
+  and its place under the cap stayed. A complete response whose bytes sit unsent (a whole answer
+  bigger than the socket buffers) keeps its connection busy, not idle, until they are out, and
+  is aborted once its client takes nothing for `timeouts.client_stall_s` (see
+  `GuardedHttpProtocol._watch_drain`).
 * Protocol-level refusals (bad framing, request smuggling shapes, oversized or late heads) are
   OpenAI error envelopes like every other refusal of the gateway (gateway/errors.py).
 * `DrainingServer` turns the first SIGTERM/SIGINT into `Gateway.drain` (with a grace the caller
@@ -22,7 +29,8 @@ A few thousand silent or half-sent connections then lock every real client out. 
 Timers are armed per connection, or when a head arrives in pieces, never for a head that arrives
 whole; per request the guard adds three short callbacks and two dict operations, about 2 us on
 uvicorn's ~29 us protocol path (measured with a fake transport; within the noise of
-bench/overhead.py's end-to-end numbers).
+bench/overhead.py's end-to-end numbers), plus one read of the write buffer's size at the end of
+each response (a timer only where bytes are still unsent).
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ import contextlib
 import logging
 import resource
 import signal
+import socket
+import struct
+import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import httptools
@@ -42,6 +53,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.client_socket import AckProbe
 from gateway.config import ServerSettings
 from gateway.errors import error_body
 
@@ -56,6 +68,9 @@ FD_RESERVE = 128
 # How long a refused connection keeps reading (and dropping) what its client still sends, so the
 # refusal is read rather than lost to a reset (see GuardedHttpProtocol._refuse).
 LINGER_S = 2.0
+# SO_LINGER on with a 0 s timeout: closing the socket resets the connection and drops what the
+# kernel still holds for the client (an abort's own close would leave it queued, orphaned).
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 def _envelope_response(
@@ -156,10 +171,18 @@ class ConnectionGuard:
     their client sends (see `GuardedHttpProtocol._refuse`): they go first when room is needed.
     """
 
-    def __init__(self, max_connections: int, head_timeout_s: float, max_head_bytes: int) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        head_timeout_s: float,
+        max_head_bytes: int,
+        client_stall_s: float | Callable[[], float] = 30.0,
+    ) -> None:
         self.max_connections = max_connections
         self.head_timeout_s = head_timeout_s
         self.max_head_bytes = max_head_bytes
+        # `timeouts.client_stall_s`, or what reads the live setting (a reload may change it).
+        self._client_stall_s = client_stall_s
         self.open = 0  # connections counted against the cap (evicted ones no longer are)
         self.idle: dict[GuardedHttpProtocol, None] = {}
         self.lingering: dict[GuardedHttpProtocol, None] = {}
@@ -169,6 +192,12 @@ class ConnectionGuard:
         self.head_timeouts = 0
         self.head_too_large = 0
         self.bad_requests = 0
+        self.unsent_aborted = 0  # aborted with bytes unsent: the client did not take them
+
+    def client_stall_s(self) -> float:
+        """How long a client may take nothing of what it was sent."""
+        s = self._client_stall_s
+        return s() if callable(s) else s
 
     def make_room(self) -> bool:
         """Close the oldest lingering or idle connection; False when every one is busy."""
@@ -183,6 +212,44 @@ class ConnectionGuard:
 _on_message_begin = HttpToolsProtocol.on_message_begin
 _on_headers_complete = HttpToolsProtocol.on_headers_complete
 _on_response_complete = HttpToolsProtocol.on_response_complete
+
+
+class _ClientTransport:
+    """The client connection's transport as uvicorn's code sees it (`protocol.transport`, which
+    each request cycle takes): the real one, but its `close` is the protocol's `_uvicorn_close`.
+    uvicorn closes from the request cycle too (a response sent with `connection: close`, an app
+    that returned or failed mid-response), where no protocol method runs.
+
+    `write` and the other methods used per request are the real transport's own bound methods,
+    kept on the instance: no call is added. Anything else is read from the real transport.
+    """
+
+    __slots__ = (
+        "_protocol",
+        "_real",
+        "get_extra_info",
+        "get_write_buffer_size",
+        "is_closing",
+        "write",
+    )
+
+    def __init__(self, real: asyncio.Transport, protocol: GuardedHttpProtocol) -> None:
+        self._real = real
+        self._protocol: GuardedHttpProtocol | None = protocol
+        self.write = real.write
+        self.is_closing = real.is_closing
+        self.get_write_buffer_size = real.get_write_buffer_size
+        self.get_extra_info = real.get_extra_info
+
+    def close(self) -> None:
+        p = self._protocol
+        if p is None:  # the connection is lost (uvicorn's `connection_lost` closes it again)
+            self._real.close()
+        else:
+            p._uvicorn_close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -203,10 +270,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._counted = False  # counted in guard.open
         self._lingering = False  # refused: reading and dropping what the client still sends
         self._idle = self.guard.idle
+        # A response's bytes still unsent (`_watch_drain`): the check's timer, the bytes left
+        # and acked (kernel) at the last progress, when that was, and the bound.
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._drain_left = 0
+        self._drain_acked = 0
+        self._drain_at = 0.0
+        self._drain_stall_s = 0.0
+        self._drain_probe: AckProbe | None = None
 
     # -- connection lifetime ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._raw = transport
+        self.transport = _ClientTransport(transport, self)  # type: ignore[assignment]
         g = self.guard
         if g.open >= g.max_connections and not g.make_room():
             g.refused += 1
@@ -223,6 +300,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._forget()
         super().connection_lost(exc)
         self._tell_lost()
+        if isinstance(self.transport, _ClientTransport):
+            self.transport._protocol = None  # no reference cycle left for the collector
 
     def _tell_lost(self) -> None:
         """Run the request's disconnect callback (`DisconnectWatch`) once its client is gone."""
@@ -242,6 +321,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         g.idle.pop(self, None)
         g.lingering.pop(self, None)
         self._cancel_timer()
+        self._stop_drain_watch()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -250,9 +330,139 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def evict(self) -> None:
         """Closed to make room for a new connection: it has no request in progress."""
-        self._forget()
         self._waiting = False
-        self.transport.close()
+        self._give_up()
+
+    # -- closing ---------------------------------------------------------------------------------
+    # asyncio's and uvloop's `close` waits for the transport's buffer to drain before closing the
+    # socket: forever, for a client that does not read. So no close here leaves bytes unsent
+    # without a bound: those that give up on the client abort, and the close after a complete
+    # response is watched (`_watch_drain`).
+    def _give_up(self) -> None:
+        """The guard is done with the connection (idle past its keep-alive, evicted, no head in
+        time, a refusal's lingering over, a refusal mid-response): uncounted at once, and
+        aborted if bytes it was sent are still unsent: its client has not taken them by now."""
+        self._forget()
+        if self._raw.get_write_buffer_size():
+            self._abort()
+        else:
+            self._raw.close()
+
+    def _close_sent(self) -> None:
+        """Close once what was written is out (a whole refusal): at once, uncounted, when it is
+        out already; else the connection counts until it is, bounded by `_watch_drain`."""
+        if self._raw.get_write_buffer_size():
+            self._watch_drain()
+        else:
+            self._forget()
+        self._raw.close()
+
+    def _uvicorn_close(self) -> None:
+        """uvicorn closes the connection (`_ClientTransport.close`): after a complete response
+        sent with `connection: close` (or its `shutdown` between requests), the response is still
+        delivered, bounded by `_watch_drain`; mid-response (the app returned without finishing,
+        as the relay does for a client it cut off for not reading, or failed) unsent bytes are
+        the rest of a response that will never be whole, and the connection is aborted."""
+        raw = self._raw
+        if raw.get_write_buffer_size() and not raw.is_closing():
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                self._abort()
+                return
+            self._watch_drain()
+        raw.close()
+
+    def _abort(self) -> None:
+        """Reset the connection now, dropping what is still unsent (uncounted at once: the
+        transport calls `connection_lost` on the next loop iteration)."""
+        self._forget()
+        self.guard.unsent_aborted += 1
+        raw = self._raw
+        with contextlib.suppress(Exception):  # best effort: uvloop's socket is a stand-in
+            sock = raw.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+        raw.abort()
+
+    def _watch_drain(self) -> None:
+        """Bound a complete response whose bytes still sit in the transport's buffer: checked
+        every `client_stall_s / 4` (at most 1 s), aborted once its client takes nothing of them
+        for `client_stall_s` (the kernel's count of acked bytes did not grow, where it is read,
+        and the buffer did not shrink). Once they are out, a kept-alive connection is idle and
+        its keep-alive clock starts (`_drained`).
+
+        A next request does not stop the watch: its response queues behind those bytes (uvicorn's
+        `send` waits for the buffer to drain, for good if the client never reads), so a client
+        that sent its next request without reading would have escaped the bound. The watch ends
+        when the bytes are out, or with the connection."""
+        if self._drain_timer is not None:
+            return
+        raw = self._raw
+        self._drain_left = raw.get_write_buffer_size()
+        self._drain_stall_s = stall = self.guard.client_stall_s()
+        self._drain_at = self.loop.time()
+        self._drain_probe = None
+        if sys.platform == "linux":
+            with contextlib.suppress(Exception):
+                sock = raw.get_extra_info("socket")
+                if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    probe = AckProbe(sock, raw)
+                    self._drain_acked = probe.read()[0]
+                    self._drain_probe = probe
+        self._drain_timer = self.loop.call_later(_check_every(stall), self._check_drain)
+
+    def _check_drain(self) -> None:
+        self._drain_timer = None
+        raw = self._raw
+        left = raw.get_write_buffer_size()
+        if not left:
+            self._drained()
+            return
+        now = self.loop.time()
+        moved = left < self._drain_left
+        probe = self._drain_probe
+        if probe is not None:
+            try:
+                acked = probe.read()[0]
+            except OSError:  # the socket is closed: `connection_lost` is on its way
+                return
+            moved = moved or acked != self._drain_acked
+            self._drain_acked = acked
+        if moved:
+            self._drain_left, self._drain_at = left, now
+        elif now - self._drain_at >= self._drain_stall_s:
+            log.debug("client %s took nothing of %d unsent bytes: reset", self.client, left)
+            self._abort()
+            return
+        self._drain_timer = self.loop.call_later(
+            _check_every(self._drain_stall_s), self._check_drain
+        )
+
+    def _drained(self) -> None:
+        """The response is out: a kept-alive connection between requests is idle now, with
+        uvicorn's keep-alive clock (as `on_response_complete` arms it) unless a head is coming."""
+        if self._raw.is_closing() or not self._counted or self._lingering:
+            return
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.pipeline:
+            return
+        self._waiting = True
+        self._idle[self] = None
+        if not self._head_bytes and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    def _stop_drain_watch(self) -> None:
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
+            self._drain_probe = None
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive timer: an idle connection is closed (`_give_up`)."""
+        if not self._raw.is_closing():
+            self._give_up()
 
     # -- request heads ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
@@ -336,7 +546,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # uvicorn armed its keep-alive timer: no pipelined request, the connection stays open and
         # is idle until the next head (the timer stops at the next byte; `data_received` then
         # arms the head timer if the head comes in pieces).
-        if self.timeout_keep_alive_task is not None and self._counted:
+        if self._raw.get_write_buffer_size() and self._counted:
+            # Not out yet (a whole response bigger than the socket buffers): bounded, and busy,
+            # not idle, until it is; then the keep-alive clock starts (`_drained`). A pipelined
+            # request uvicorn has just started waits behind these bytes: bounded the same.
+            if self.timeout_keep_alive_task is not None:
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = None
+                self._waiting = True
+            self._watch_drain()
+        elif self.timeout_keep_alive_task is not None and self._counted:
             self._waiting = True
             self._idle[self] = None
 
@@ -353,8 +572,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 linger=False,
             )
         else:  # nothing sent: nothing to answer
-            self._forget()
-            self.transport.close()
+            self._give_up()
 
     # -- refusals --------------------------------------------------------------------------------
     def send_400_response(self, msg: str) -> None:
@@ -389,13 +607,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.message_event.set()
             self._tell_lost()
             if cycle.response_started:  # mid-response: no room for another status line
-                self._forget()
-                self.transport.close()
+                self._give_up()
                 return
         self.transport.write(_envelope_response(status, message, code, type_))
         if not (linger and self._counted and self.transport.can_write_eof()):
-            self._forget()
-            self.transport.close()
+            self._close_sent()
             return
         self._lingering = True
         self.guard.lingering[self] = None
@@ -405,8 +621,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _end_linger(self) -> None:
         self._timer = None
-        self._forget()
-        self.transport.close()
+        self._give_up()
+
+
+def _check_every(stall_s: float) -> float:
+    """How often `_watch_drain` looks (as the relay's stall check does)."""
+    return max(0.05, min(1.0, stall_s / 4))
 
 
 class ConnectionMetrics(Collector):
@@ -437,6 +657,7 @@ class ConnectionMetrics(Collector):
             ("head_timeout", g.head_timeouts),
             ("head_too_large", g.head_too_large),
             ("bad_request", g.bad_requests),
+            ("unsent_aborted", g.unsent_aborted),
         ):
             closed.add_metric([reason], n)
         yield closed
@@ -593,14 +814,16 @@ def build_server(
 ) -> DrainingServer:
     """The gateway's uvicorn server; `app` is `gateway.asgi.create_app`'s (its state holds the
     `Gateway` to drain). `drain_grace_s` None: the configured `server.drain_grace_s`."""
+    gateway = app.state.gateway
     guard = ConnectionGuard(
         max_connections=effective_max_connections(server.max_connections),
         head_timeout_s=server.head_timeout_s,
         # The exact header limit (431) is the app's, on complete heads; this only stops a head
         # that never completes from growing without bound, so it is generous.
         max_head_bytes=2 * server.max_header_bytes,
+        # Live: `[timeouts]` take effect on reload (the relay reads them per request).
+        client_stall_s=lambda: gateway.settings.timeouts.client_stall_s,
     )
-    gateway = app.state.gateway
     gateway.metrics.registry.register(ConnectionMetrics(guard))
     s = DrainingServer(uvicorn_config(app, server, guard), gateway, drain_grace_s)
     s.guard = guard
