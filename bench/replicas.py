@@ -293,5 +293,8 @@ def learned_state(state: RoutingState) -> dict[str, Any]:
     return {
         "index": {k: v for k, v in sorted(per_worker.items()) if v},
         "fill": {k: v for k, v in sorted(index.fill.items()) if v},
-        "sessions": list(state.sessions._table.items()),
+        # Not the entry's `local` flag: whether the shared stream has shown this replica's own
+        # note back yet is the replica's place in the stream, not something it learned (one
+        # gateway, with no stream, keeps every turn local).
+        "sessions": [(sid, e[:3]) for sid, e in state.sessions._table.items()],
     }
