@@ -132,16 +132,7 @@ class Proxy:
                         # Relayed, the client got a bodiless 101; it is a malformed response,
                         # treated as the h1 client's connect error is: retried elsewhere.
                         await resp.abort()
-                        call.upstream_sent = False
-                        last_error = APIError(
-                            502,
-                            "The worker sent a malformed response.",
-                            "upstream_error",
-                            code="upstream_error",
-                        )
-                        life.refused(worker, call)
-                        life.failed(worker, f"HTTP {resp.status}")
-                        continue
+                        raise UpstreamConnectError(f"malformed response: HTTP {resp.status}")
                     if resp.status >= 500:
                         call.upstream_sent = False  # refused: nothing was generated
                         body = await _read_bounded(resp, t.idle_s)
