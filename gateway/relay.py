@@ -137,6 +137,7 @@ class RelayResponse(Response):
             if self.stalled and not watch.gone:
                 me.uncancel()
                 self._client_stalled(call)
+                self._drop_client()
             elif self.cut is not None and not watch.gone:
                 me.uncancel()
                 if not self._ended:  # else [DONE] is out: only the upstream's tail was left
@@ -471,6 +472,18 @@ class RelayResponse(Response):
         call.outcome = "client_stalled"
         self._life.metrics.stream_errors.labels("client_stalled").inc()
         log.warning("request %s: client stopped reading; stream cut off", call.request_id)
+
+    def _drop_client(self) -> None:
+        """A client cut off for not reading: its connection goes now (the server resets one with
+        bytes unsent) and uvicorn's cycle is told it is gone, as a lost connection would, so it
+        does not log the cut, already counted and logged as `client_stalled`, as an app that
+        "returned without completing response" at ERROR (an alert per stalled client)."""
+        cy = self._cycle
+        if cy is None:
+            return  # not a uvicorn cycle: its server closes it its own way
+        with contextlib.suppress(Exception):
+            cy.transport.close()
+        cy.disconnected = True
 
     def _check_stall(self, task: asyncio.Task[Any]) -> None:
         """The stream's timer: the worker's side (`_worker_overdue`), then the client's
