@@ -58,7 +58,6 @@ class Deadlines:
     def _add(self, wait: _Wait, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         at = self._live[wait] = loop.time() + seconds
-        wait.slack = seconds
         if at < self._next:
             self._next = at
         if self._timer is None:
@@ -107,7 +106,7 @@ class _Wait:
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
         self.expired = False
-        self.slack = 0.0  # time the loop's own stalls may still add to this wait
+        self.slack = self._seconds  # time the loop's own stalls may still add to this wait
 
     def __enter__(self) -> _Wait:
         task = asyncio.current_task()

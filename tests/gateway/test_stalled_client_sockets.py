@@ -26,10 +26,11 @@ sleep; the timeouts are short (`client_stall_s` 0.5 s) so each test takes a few 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -107,6 +108,17 @@ async def _non_reader(port: int, request: bytes) -> socket.socket:
     return sock
 
 
+@contextlib.asynccontextmanager
+async def _gateway(
+    url: str, *, timeouts: dict[str, float], server: dict[str, float]
+) -> AsyncIterator[RunningGateway]:
+    """A gateway in front of ``url`` with small send buffers (a non-reader fills them soon),
+    serving once its worker is healthy."""
+    async with run_gateway(settings_for([url], timeouts=timeouts, server=server), sndbuf=8192) as g:
+        await g.wait_healthy(1)
+        yield g
+
+
 async def _all_freed(g: RunningGateway, what: str) -> None:
     """Polls until the gateway holds no client socket and counts no connection; fails after
     `SETTLE_S` naming what is left (sockets held, the guard's count, bytes still unsent)."""
@@ -160,21 +172,21 @@ async def _stalled_stream_frees_its_socket() -> None:
             await w.drain()
             await asyncio.sleep(0.001)
 
-    async with raw_worker(script) as (url, _):
-        s = settings_for(
-            [url],
+    async with (
+        raw_worker(script) as (url, _),
+        _gateway(
+            url,
             timeouts={"client_stall_s": STALL_S, "idle_s": 5, "total_s": 60},
             server={"max_connections": 16},
-        )
-        async with run_gateway(s, sndbuf=8192) as g:
-            await g.wait_healthy(1)
-            sock = await _non_reader(_port(g), _request(stream=True))
-            try:
-                await _all_freed(g, "a stream cut off for not reading")
-                assert not g.gw.life.streams
-                assert g.server.guard.unsent_aborted == 1  # type: ignore[union-attr]
-            finally:
-                sock.close()
+        ) as g,
+    ):
+        sock = await _non_reader(_port(g), _request(stream=True))
+        try:
+            await _all_freed(g, "a stream cut off for not reading")
+            assert not g.gw.life.streams
+            assert g.server.guard.unsent_aborted == 1  # type: ignore[union-attr]
+        finally:
+            sock.close()
 
 
 @RUNNERS
@@ -208,52 +220,52 @@ async def test_clients_cut_off_for_not_reading_do_not_lock_out_new_ones() -> Non
         await w.drain()
         await asyncio.sleep(30)
 
-    async with raw_worker(script) as (url, _):
-        s = settings_for(
-            [url],
+    async with (
+        raw_worker(script) as (url, _),
+        _gateway(
+            url,
             timeouts={"client_stall_s": STALL_S, "idle_s": 3, "total_s": 60},
             server={"max_connections": 16},
-        )
-        async with run_gateway(s, sndbuf=8192) as g:
-            await g.wait_healthy(1)
-            port = _port(g)
-            socks = [await _non_reader(port, _request(stream=True)) for _ in range(16)]
-            try:
-                await _all_freed(g, "16 streams cut off for not reading")
-                r, w = await asyncio.open_connection("127.0.0.1", port)
-                w.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-                await w.drain()
-                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
-                w.close()
-                assert head.startswith(b"HTTP/1.1 200"), head[:80]
-            finally:
-                for sk in socks:
-                    sk.close()
+        ) as g,
+    ):
+        port = _port(g)
+        socks = [await _non_reader(port, _request(stream=True)) for _ in range(16)]
+        try:
+            await _all_freed(g, "16 streams cut off for not reading")
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            await w.drain()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            w.close()
+            assert head.startswith(b"HTTP/1.1 200"), head[:80]
+        finally:
+            for sk in socks:
+                sk.close()
 
 
 # -- whole answers to clients that never read ------------------------------------------------------
 async def _whole_answers_are_not_leaked(n: int, size: int, cap: int) -> None:
-    async with serve_app(_whole_worker(size)) as url:
-        s = settings_for(
-            [url],
+    async with (
+        serve_app(_whole_worker(size)) as url,
+        _gateway(
+            url,
             timeouts={"client_stall_s": STALL_S, "idle_s": 2, "total_s": 5},
             server={"keepalive_timeout_s": 1.0, "max_connections": cap},
-        )
-        async with run_gateway(s, sndbuf=8192) as g:
-            await g.wait_healthy(1)
-            port = _port(g)
-            socks = [await _non_reader(port, _request(stream=False)) for _ in range(n)]
-            try:
-                # Every client was answered, or refused at the cap (the worker's part is over) ...
-                served = g.server.server_state  # type: ignore[union-attr]
-                guard = g.server.guard  # type: ignore[union-attr]
-                await _wait(lambda: served.total_requests + guard.refused >= n)
-                # ... and none of them keeps a socket (and its unsent body) once its client has
-                # taken nothing for client_stall_s.
-                await _all_freed(g, f"{n} whole answers nobody reads")
-            finally:
-                for sk in socks:
-                    sk.close()
+        ) as g,
+    ):
+        port = _port(g)
+        socks = [await _non_reader(port, _request(stream=False)) for _ in range(n)]
+        try:
+            # Every client was answered, or refused at the cap (the worker's part is over) ...
+            served = g.server.server_state  # type: ignore[union-attr]
+            guard = g.server.guard  # type: ignore[union-attr]
+            await _wait(lambda: served.total_requests + guard.refused >= n)
+            # ... and none of them keeps a socket (and its unsent body) once its client has
+            # taken nothing for client_stall_s.
+            await _all_freed(g, f"{n} whole answers nobody reads")
+        finally:
+            for sk in socks:
+                sk.close()
 
 
 async def _wait(pred: Callable[[], bool]) -> None:
@@ -288,23 +300,23 @@ async def test_a_next_request_does_not_lift_the_bound_on_unsent_bytes(pipelined:
     queues behind the first (uvicorn's `send` waits for the buffer to drain), so a bound that
     ended at the next request, or that a pipelined one skipped, left the connection busy and
     counted for good."""
-    async with serve_app(_whole_worker(1 << 20)) as url:
-        s = settings_for(
-            [url],
+    async with (
+        serve_app(_whole_worker(1 << 20)) as url,
+        _gateway(
+            url,
             timeouts={"client_stall_s": STALL_S, "idle_s": 2, "total_s": 30},
             server={"keepalive_timeout_s": 1.0},
-        )
-        async with run_gateway(s, sndbuf=8192) as g:
-            await g.wait_healthy(1)
-            served = g.server.server_state  # type: ignore[union-attr]
-            sock = await _non_reader(_port(g), _request(stream=False) * (1 + pipelined))
-            try:
-                await _wait(lambda: served.total_requests >= 1)
-                if not pipelined:
-                    await asyncio.get_running_loop().sock_sendall(sock, _request(stream=False))
-                await _all_freed(g, "two whole answers nobody reads, on one connection")
-            finally:
-                sock.close()
+        ) as g,
+    ):
+        served = g.server.server_state  # type: ignore[union-attr]
+        sock = await _non_reader(_port(g), _request(stream=False) * (1 + pipelined))
+        try:
+            await _wait(lambda: served.total_requests >= 1)
+            if not pipelined:
+                await asyncio.get_running_loop().sock_sendall(sock, _request(stream=False))
+            await _all_freed(g, "two whole answers nobody reads, on one connection")
+        finally:
+            sock.close()
 
 
 # -- slow but reading: delivered, kept alive ----------------------------------------------------
@@ -356,36 +368,36 @@ async def test_a_slow_reader_gets_the_whole_answer_and_keeps_its_connection(mode
     slow answer is answered in turn (the bound on the first answer's bytes, which goes on while
     the second is served, sees the client taking them)."""
     size = 768 << 10
-    async with serve_app(_whole_worker(size)) as url:
-        s = settings_for(
-            [url],
+    async with (
+        serve_app(_whole_worker(size)) as url,
+        _gateway(
+            url,
             timeouts={"client_stall_s": 1.0, "idle_s": 5, "total_s": 20},
             server={"keepalive_timeout_s": 2.0},
-        )
-        async with run_gateway(s, sndbuf=8192) as g:
-            await g.wait_healthy(1)
-            guard = g.server.guard  # type: ignore[union-attr]
-            first = _request(stream=False, close=mode == "connection-close")
-            if mode == "pipelined":
-                first += _request(stream=False)
-            sock = await _non_reader(_port(g), first)
-            loop = asyncio.get_running_loop()
-            try:
-                for _ in range(2 if mode == "pipelined" else 1):
-                    head, body = await _read_answer(sock, slowly=True)
-                    assert head.startswith(b"HTTP/1.1 200"), head
-                    answer = orjson.loads(body)
-                    assert len(answer["choices"][0]["message"]["content"]) == size
-                    assert guard.unsent_aborted == 0
-                if mode == "connection-close":
-                    rest = await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
-                    assert rest == b""  # closed after the answer
-                    await _wait(lambda: guard.open == 0)
-                    return
-                await _wait(lambda: len(guard.idle) == 1)  # out: idle, on the keep-alive clock
-                await loop.sock_sendall(sock, _request(stream=False))
-                head, body = await _read_answer(sock, slowly=False)
+        ) as g,
+    ):
+        guard = g.server.guard  # type: ignore[union-attr]
+        first = _request(stream=False, close=mode == "connection-close")
+        if mode == "pipelined":
+            first += _request(stream=False)
+        sock = await _non_reader(_port(g), first)
+        loop = asyncio.get_running_loop()
+        try:
+            for _ in range(2 if mode == "pipelined" else 1):
+                head, body = await _read_answer(sock, slowly=True)
                 assert head.startswith(b"HTTP/1.1 200"), head
+                answer = orjson.loads(body)
+                assert len(answer["choices"][0]["message"]["content"]) == size
                 assert guard.unsent_aborted == 0
-            finally:
-                sock.close()
+            if mode == "connection-close":
+                rest = await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
+                assert rest == b""  # closed after the answer
+                await _wait(lambda: guard.open == 0)
+                return
+            await _wait(lambda: len(guard.idle) == 1)  # out: idle, on the keep-alive clock
+            await loop.sock_sendall(sock, _request(stream=False))
+            head, body = await _read_answer(sock, slowly=False)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert guard.unsent_aborted == 0
+        finally:
+            sock.close()

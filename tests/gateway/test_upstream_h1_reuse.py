@@ -32,7 +32,13 @@ from gateway.upstream import UpstreamConnectError
 from gateway.upstream_h1 import HIGH_WATER
 from tests.gateway.conftest import MODEL, run_gateway, settings_for
 from tests.gateway.test_upstream_h1 import OK, client, read_request, until
-from tests.support.raw_worker import _ok, _read_request, raw_worker, server
+from tests.support.raw_worker import (
+    _read_request,
+    answer_probe,
+    models_body,
+    raw_worker,
+    server,
+)
 
 # A POST script of `pooled_worker`: the reader, the writer, and how many POSTs this connection
 # carried before this one (0 on a fresh connection).
@@ -49,7 +55,7 @@ async def pooled_worker(
     after). Yields the URL and, per POST, (the connection's number, the body)."""
     posts: list[tuple[int, bytes]] = []
     conns = 0
-    models = orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+    models = models_body(model)
 
     async def conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         nonlocal conns
@@ -58,17 +64,11 @@ async def pooled_worker(
         try:
             while True:
                 line, body = await _read_request(r)
-                if line.startswith(b"GET /health"):
-                    w.write(_ok(b""))
-                elif line.startswith(b"GET /v1/models"):
-                    w.write(_ok(models))
-                elif line.startswith(b"POST "):
+                if not answer_probe(line, w, models):
                     i = len(posts)
                     posts.append((me, body))
                     await scripts[min(i, len(scripts) - 1)](r, w, carried)
                     carried += 1
-                else:
-                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                 await w.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass

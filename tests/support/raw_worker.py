@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
-__all__ = ["Script", "raw_worker", "server"]
+__all__ = ["Script", "answer_probe", "models_body", "raw_worker", "server"]
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -40,6 +40,25 @@ def _ok(body: bytes) -> bytes:
         len(body),
         body,
     )
+
+
+def models_body(model: str) -> bytes:
+    """What `GET /v1/models` answers: the one model served."""
+    return orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+
+def answer_probe(line: bytes, w: asyncio.StreamWriter, models: bytes) -> bool:
+    """Answer anything but a POST as a worker does (health, the model list, else 404), so the
+    gateway admits and routes to it; False for a POST, which is the test's to answer."""
+    if line.startswith(b"POST "):
+        return False
+    if line.startswith(b"GET /health"):
+        w.write(_ok(b""))
+    elif line.startswith(b"GET /v1/models"):
+        w.write(_ok(models))
+    else:
+        w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+    return True
 
 
 @contextlib.asynccontextmanager
@@ -71,21 +90,15 @@ async def raw_worker(
 ) -> AsyncIterator[tuple[str, list[bytes]]]:
     """Serve on a free port until the block exits; yields the base URL and the POST bodies."""
     posts: list[bytes] = []
-    models = orjson.dumps({"object": "list", "data": [{"id": model, "object": "model"}]})
+    models = models_body(model)
 
     async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while True:
             line, body = await _read_request(r)
-            if line.startswith(b"GET /health"):
-                w.write(_ok(b""))
-            elif line.startswith(b"GET /v1/models"):
-                w.write(_ok(models))
-            elif line.startswith(b"POST "):
+            if not answer_probe(line, w, models):
                 posts.append(body)
                 await script(r, w)
                 return
-            else:
-                w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             await w.drain()
 
     async with server(worker) as (url, _accepted):
