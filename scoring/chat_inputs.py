@@ -346,12 +346,26 @@ def utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
 
 
+_ENCODE_STR = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def json_str_bytes(s: str) -> int:
+    """UTF-8 size of ``s`` as ``tojson`` (``json.dumps``, ``ensure_ascii=False``) writes it, quotes
+    included: a control character takes 6 bytes (``\\u0001``) or 2 (``\\n``), a quote or a
+    backslash 2. Sized as plain text, a tool description of 7,800 control characters rendered 5.9x
+    the bytes charged against `max_input_tokens` (review finding). Plain text, the usual case, is
+    three C scans; anything else is encoded once."""
+    if s.isprintable() and '"' not in s and "\\" not in s:
+        return (len(s) if s.isascii() else utf8_len(s)) + 2
+    return utf8_len(_ENCODE_STR(s))
+
+
 def _scalar_bytes(obj: Any) -> int:
     t = type(obj)
     if t is int or t is float:
         return len(repr(obj))
     if t is str:  # a dict key
-        return utf8_len(obj)
+        return json_str_bytes(obj) - 2
     return 4 if t is bool or obj is None else len(str(obj))  # true, false, null
 
 
@@ -364,10 +378,10 @@ _NEVER_DEEP = -(1 << 40)
 
 def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
     """About the UTF-8 size of ``obj`` as a template writes it (``tojson``, or ``key: value``):
-    strings, keys and numbers exactly, quotes and separators approximated (2 per string, 4 per
-    key, 1 per item). Templates serialise tool schemas and documents whole, so their keys are
-    prompt tokens too. Parsed JSON holds only these exact types, so ``type() is`` stands in for
-    the ABC checks, and string leaves, most of a schema, are sized inline rather than by a call.
+    strings (escapes included, ``json_str_bytes``), keys and numbers exactly, separators
+    approximated (4 per key, 1 per item). Templates serialise tool schemas and documents whole,
+    so their keys are prompt tokens too. Parsed JSON holds only these exact types, so ``type()
+    is`` stands in for the ABC checks.
 
     Past ``flat`` levels every element is charged what ``tojson(indent=4)`` writes before it, a
     newline and 4 x depth spaces (``depth``: the container's level, 1 for the outermost), as is
@@ -378,15 +392,15 @@ def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
     """
     t = type(obj)
     if t is str:
-        return (len(obj) if obj.isascii() else utf8_len(obj)) + 2
+        return json_str_bytes(obj)
     ind = 4 * depth + 1 if depth > flat else 0
     if t is dict:
         n = 2 + ind
         for k, v in obj.items():
-            n += (len(k) if type(k) is str and k.isascii() else _scalar_bytes(k)) + 4 + ind
+            n += _scalar_bytes(k) + 4 + ind
             tv = type(v)
             if tv is str:
-                n += (len(v) if v.isascii() else utf8_len(v)) + 2
+                n += json_str_bytes(v)
             elif tv is dict or tv is list:
                 n += _json_bytes(v, depth + 1, flat)
             else:
@@ -397,7 +411,7 @@ def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
         for v in obj:
             tv = type(v)
             if tv is str:
-                n += (len(v) if v.isascii() else utf8_len(v)) + 3 + ind
+                n += json_str_bytes(v) + 1 + ind
             elif tv is dict or tv is list:
                 n += _json_bytes(v, depth + 1, flat) + 1 + ind
             else:

@@ -311,3 +311,37 @@ def test_a_wide_list_at_a_shallow_depth_is_estimated_at_what_an_indenting_templa
     assert 0.9 * printed <= est * 4 <= 1.25 * printed, (est * 4, printed)
     with pytest.raises(APIError):
         apply_caps(tenant(max_input_tokens=printed // 8), MODEL, body, est, is_chat=True)
+
+
+# -- escapes: `tojson` writes a control character as \u00XX, a quote or backslash as two bytes ------
+COMPACT_TOOLS = (
+    "{%- for t in tools %}{{- t | tojson }}{{- '\\n' }}{%- endfor %}"
+    "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "text", ["\x01" * 7800, '"' * 7800, "\\" * 7800, "\n\t" * 3900, "é\x02" * 3900]
+)
+@pytest.mark.parametrize("template", [COMPACT_TOOLS, LLAMA31_TOOLS])
+def test_escaped_characters_in_rendered_json_are_estimated_as_printed(
+    text: str, template: str
+) -> None:
+    # Review finding: a tool description of 7,800 control characters was estimated as 1,990
+    # tokens (its characters + 2 per string), passed a 2,000-token `max_input_tokens`, and
+    # rendered 46,887 bytes (5.9x) through a template's `tojson`; quotes and backslashes 2x.
+    body = chat_body(
+        tools=[{"type": "function", "function": {"name": "f", "description": text}}],
+    )
+    msgs, tools, kw = chat_inputs(body)
+    rendered = len(ChatTemplate({"default": template}, {})(msgs, tools, **kw).encode())
+    est = estimate_prompt_tokens(True, body, 4.0)
+    assert est * 4 >= 0.95 * rendered, (est * 4, rendered)
+    with pytest.raises(APIError):
+        apply_caps(tenant(max_input_tokens=2_000), MODEL, body, est, is_chat=True)
+
+
+def test_plain_text_in_rendered_json_costs_what_it_did() -> None:
+    tool = {"type": "function", "function": {"name": "f", "description": "plain words " * 50}}
+    est = estimate_prompt_tokens(True, chat_body(tools=[tool]), 4.0)
+    assert est * 4 <= 1.1 * len(json.dumps(tool, indent=4)) + 40
