@@ -62,9 +62,11 @@ from gateway.tenancy import (
     Tenant,
     Tenants,
     apply_caps,
+    choices_per_prompt,
     estimate_prompt_tokens,
     media_bytes,
     output_tokens,
+    prompt_count,
 )
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
@@ -546,6 +548,7 @@ class Gateway:
                 raw,
                 accept_embeds=tenant.cfg.accept_embeds or open_gateway,
                 accept_media_kwargs=tenant.cfg.accept_media_kwargs or open_gateway,
+                live_usage=not open_gateway,
             )
             data, model = req.data, req.model
             is_chat = path == CHAT
@@ -594,11 +597,17 @@ class Gateway:
                 body=orjson.dumps(data) if req.modified else raw,
                 stream=req.stream,
                 client_wants_usage=req.client_wants_usage,
+                client_wants_live_usage=req.client_wants_live_usage,
                 route=route,
                 t_start=t0,
                 pool_ok=canary_pool(settings.routing.splits, model, self._rng),
                 account=Account(
-                    tenant, ticket, prompt_est, tokens=request_tokens(prompt_est, data, max_out)
+                    tenant,
+                    ticket,
+                    prompt_est,
+                    tokens=request_tokens(prompt_est, data, max_out),
+                    choices=choices_per_prompt(data) * prompt_count(is_chat, data),
+                    hidden_output=is_chat and data.get("include_reasoning") is False,
                 ),
             )
             walks.discard(me)

@@ -46,13 +46,19 @@ class Usage:
         return cls(prompt, completion, min(cached, prompt))
 
 
+# More tokens than any request generates or reads: a count above it is a broken (or hostile)
+# worker's, not a usage. `1e308` was taken whole: its charge overflowed the float of a metric
+# after the ticket was closed, and the tenant's concurrency lease leaked until its TTL.
+MAX_COUNT = 1 << 40
+
+
 def _count(v: Any) -> int | None:
-    """A token count: a non-negative int (null or absent: 0), else None."""
+    """A token count: a non-negative int up to MAX_COUNT (null or absent: 0), else None."""
     if v is None:
         return 0
-    if type(v) is int and v >= 0:
+    if type(v) is int and 0 <= v <= MAX_COUNT:
         return v
-    if type(v) is float and v >= 0 and v.is_integer():
+    if type(v) is float and 0 <= v <= MAX_COUNT and v.is_integer():
         return int(v)
     return None
 
@@ -77,6 +83,12 @@ class Call:
     ttft: float | None = None
     events: int = 0
     usage: Usage | None = None
+    # The last usage a content event carried (``continuous_usage_stats``, forced upstream), as
+    # its JSON object's bytes: what a stream cut before its usage chunk is charged by, parsed
+    # only then. One event is not one token (vLLM merges the deltas of a lagging stream, and a
+    # client that reads slowly makes it lag), so counting events undercharged such cuts.
+    live_usage: bytes = b""
+    client_wants_live_usage: bool = False  # asked for `continuous_usage_stats`: not stripped
     outcome: str = ""  # ok | upstream_4xx | client_disconnect | upstream_broken | idle_timeout
     # Workers this request may use (a canary split), or None for any; ignored when none qualify.
     pool_ok: Callable[[Worker], bool] | None = None
@@ -103,5 +115,9 @@ class Account:
     ticket: Ticket | None
     prompt_estimate: int
     tokens: int = 0  # prompt estimate + output cap: the autoscaler's tokens in flight
+    choices: int = 1  # sequences generated (choices x prompts): a live usage counts one
+    # Tokens generated that no event shows (chat `include_reasoning: false` hides the reasoning):
+    # a stream cut before its usage chunk is charged its reservation, as a cut whole answer is.
+    hidden_output: bool = False
     in_flight: InFlight | None = None
     settled: bool = False  # settled: the ticket is closed whatever happens next

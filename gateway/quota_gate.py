@@ -199,11 +199,13 @@ class QuotaGate:
             return
         t.done = True
         m = self.metrics
-        m.child(m.tenant_tokens, t.tenant.name, "settled").inc(actual_tokens)
-        if t.store is None:
-            return
-        m.child(m.tenant_in_flight, t.tenant.name).dec()
-        await self._finish(t, actual_tokens, False)
+        if t.store is not None:
+            m.child(m.tenant_in_flight, t.tenant.name).dec()
+        try:  # nothing a metric raises may keep the lease (the ticket is done already)
+            m.child(m.tenant_tokens, t.tenant.name, "settled").inc(actual_tokens)
+        finally:
+            if t.store is not None:
+                await self._finish(t, actual_tokens, False)
 
     async def release(self, t: Ticket, *, refund_all: bool) -> None:
         """Nothing was generated: refund the tokens (and the request when it was not the client's

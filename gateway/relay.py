@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.proxy")
 
 _DONE = b"data: [DONE]\n\n"
+# A content event's usage (vLLM puts it after `choices`): the object, with at most one level of
+# nesting (`completion_tokens_details`, `prompt_tokens_details`).
+_LIVE_MARK = b',"usage":{'
+_LIVE_USAGE = re.compile(rb',"usage":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 # The most bytes one SSE event may take before its blank line. The relay holds an event until it
 # is whole, so a worker that never ends one (no blank line: a broken server, CRLF framing, which
 # the scan does not take for a boundary) would otherwise grow that buffer without bound until
@@ -110,6 +115,7 @@ class RelayResponse(Response):
         self._pending_size = 0  # bytes in ``_pending`` (bounded by EVENT_MAX)
         self._out: list[bytes] = []  # complete events not yet written to the client
         self._strip = not call.client_wants_usage
+        self._strip_live = not call.client_wants_live_usage
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
         self._head = b""  # the response head, held back to go out with the first events
@@ -553,6 +559,7 @@ class RelayResponse(Response):
 
     def _take_usage(self, out: bytes, strip: bool) -> bytes:
         """Find the usage chunk among complete events; parse it once; drop it if unrequested.
+        Keep the last usage a content event carries (continuous usage), strip those unasked.
 
         vLLM's usage chunk (``"choices":[]``) is the last event with a usage before [DONE], so
         it is found from the end, not by splitting every event of the read (a short stream's
@@ -562,15 +569,30 @@ class RelayResponse(Response):
         start = sep + 2 if sep >= 0 else 0
         end = out.find(b"\n\n", at)  # found: ``out`` holds complete events only
         ev = out[start:end] if end >= 0 else out[start:]
-        if not (ev.startswith(b"data: {") and b'"choices":[]' in ev):
-            return out  # a content chunk carrying usage (continuous usage stats): kept as is
-        # TypeError: a usage of the wrong shape ("prompt_tokens": [9]) must not break a stream
-        # that is otherwise whole (the whole-response path suppresses it too).
-        with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
-            self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
-        if not strip:
-            return out
-        return out[:start] + (out[end + 2 :] if end >= 0 else b"")
+        if ev.startswith(b"data: {") and b'"choices":[]' in ev:
+            # TypeError: a usage of the wrong shape ("prompt_tokens": [9]) must not break a
+            # stream that is otherwise whole (the whole-response path suppresses it too).
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
+                self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
+            # Stripped, what follows it in this read ([DONE]) stays.
+            after = out[end + 2 :] if end >= 0 else b""
+            last = after if strip else out[start:]
+            out = out[:start]
+            if not strip and _LIVE_MARK not in out:
+                return out + last
+        else:
+            last = b""
+        # Content events carrying usage (`continuous_usage_stats`, forced upstream): the last
+        # is what a cut stream is charged by; stripped for clients that did not ask. The mark
+        # cannot occur inside a JSON string (its quotes would be escaped there).
+        i = out.rfind(_LIVE_MARK)
+        if i >= 0:
+            m = _LIVE_USAGE.match(out, i)
+            if m is not None:
+                self._call.live_usage = m[1]
+            if self._strip_live:
+                out = _LIVE_USAGE.sub(b"", out)
+        return out + last
 
 
 def _too_big() -> str:

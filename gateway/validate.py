@@ -42,6 +42,8 @@ class ParsedRequest:
     data: dict[str, Any]
     # `data` differs from the client's bytes and must be re-serialized before it goes upstream.
     modified: bool = False
+    # The client asked for usage on every event too (`continuous_usage_stats`): not stripped.
+    client_wants_live_usage: bool = False
 
 
 def request_headers(scope: Scope) -> dict[str, str]:
@@ -433,12 +435,19 @@ def _check_sampling(data: dict[str, Any], chat: bool) -> None:
 
 
 def parse_request(
-    path: str, raw: bytes, *, accept_embeds: bool = False, accept_media_kwargs: bool = False
+    path: str,
+    raw: bytes,
+    *,
+    accept_embeds: bool = False,
+    accept_media_kwargs: bool = False,
+    live_usage: bool = True,
 ) -> ParsedRequest:
     """Parse once and check the body for `path`; raises the OpenAI 400 envelope (as APIError).
     Tensor inputs (`prompt_embeds`, chat `*_embeds` parts) only where `accept_embeds`; request
     media processing (`media_io_kwargs`, `mm_processor_kwargs`) only where
-    `accept_media_kwargs`."""
+    `accept_media_kwargs`. `live_usage`: a stream asks the worker for the usage on every event
+    too (tenants are charged from it when the stream is cut); without tenants nothing is charged,
+    and the relay's stripping it again (~1 us an event) is not paid."""
     if not raw:
         raise bad_request("Request body is empty; expected a JSON object")
     try:
@@ -492,10 +501,20 @@ def parse_request(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
         wants_usage = opts.get("include_usage") is True
+    wants_live = wants_usage and opts is not None and opts.get("continuous_usage_stats") is True
     modified = False
-    if stream and not wants_usage:
-        # Every stream must end with usage so the gateway can account for it; the relay strips
-        # that chunk again for clients that did not ask.
+    # Every stream must end with usage so the gateway can account for it and, with `live_usage`,
+    # every event must carry the usage so far, so a stream cut before its end is charged what it
+    # generated (`gateway.settlement.charge`); the relay strips both again for clients that did
+    # not ask.
+    if stream and not wants_usage and not live_usage:
         data["stream_options"] = {**(opts or {}), "include_usage": True}
         modified = True
-    return ParsedRequest(model, stream, wants_usage, data, modified)
+    elif stream and live_usage and not wants_live:
+        data["stream_options"] = {
+            **(opts or {}),
+            "include_usage": True,
+            "continuous_usage_stats": True,
+        }
+        modified = True
+    return ParsedRequest(model, stream, wants_usage, data, modified, wants_live)

@@ -95,7 +95,9 @@ async def test_openai_client_streams_and_non_streams_through_the_gateway(sims) -
 
 
 async def test_sse_bytes_are_the_workers_bytes_across_odd_chunk_boundaries() -> None:
-    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    # Usage at the end and on every event: what the gateway asks every worker for.
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**CHAT, "stream": True, "stream_options": opts}
     async with run_scripted_worker() as (url, received), run_gateway(settings_for([url])) as g:
         await g.wait_healthy(1)
         via = await post(g.url + "/v1/chat/completions", body, headers={"x-request-id": "same-id"})
@@ -103,7 +105,7 @@ async def test_sse_bytes_are_the_workers_bytes_across_odd_chunk_boundaries() -> 
     assert via.headers["content-type"] == "text/event-stream; charset=utf-8"
     assert via.headers["x-request-id"] == "same-id"
     assert via.content == b"".join(SCRIPTED_EVENTS)
-    assert orjson.loads(received[0]) == body  # asked for usage: forwarded untouched
+    assert orjson.loads(received[0]) == body  # asked for both: forwarded untouched
 
 
 async def test_the_worker_header_can_be_turned_off() -> None:
@@ -205,7 +207,7 @@ async def test_usage_chunk_forced_upstream_is_stripped_for_clients_that_did_not_
         await g.wait_healthy(1)
         via = await post(g.url + "/v1/chat/completions", body)
     sent = orjson.loads(received[0])
-    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["stream_options"] == {"include_usage": True}  # no tenants: nothing to charge
     expected = b"".join(e for e in SCRIPTED_EVENTS if b'"choices":[],"usage"' not in e)
     assert via.content == expected
 

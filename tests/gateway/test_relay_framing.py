@@ -104,7 +104,13 @@ def record_outcomes(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
 
 def bare_relay(wants_usage: bool = True) -> Any:
     """A relay for its byte scan alone (nothing it would send to is there)."""
-    call = SimpleNamespace(client_wants_usage=wants_usage, events=0, usage=None)
+    call = SimpleNamespace(
+        client_wants_usage=wants_usage,
+        client_wants_live_usage=False,
+        events=0,
+        usage=None,
+        live_usage=b"",
+    )
     return RelayResponse(None, call, None, None, (None, b""), {}, TimeoutSettings(), 0.0)  # type: ignore[arg-type]
 
 
@@ -271,3 +277,41 @@ async def test_done_followed_by_more_in_the_same_read_ends_the_stream(
     assert resp.status == 200
     assert resp.body == chunk_event("hello") + DONE, resp.body
     assert settled == ["ok"]
+
+
+# -- continuous usage (forced upstream): kept for a cut stream's charge, stripped unless asked ------
+def _live_event(text: str, completion: int) -> bytes:
+    return (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+        b'{"content":"' + text.encode() + b'"},"finish_reason":null}],"usage":{"prompt_tokens":3,'
+        b'"total_tokens":%d,"completion_tokens":%d,"completion_tokens_details":null}}\n\n'
+        % (3 + completion, completion)
+    )
+
+
+FINAL_USAGE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":3,'
+    b'"total_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":1}}}\n\n'
+)
+
+
+@pytest.mark.parametrize("wants", ["none", "final", "live"])
+def test_live_usage_is_kept_and_stripped_unless_asked(wants: str) -> None:
+    r = bare_relay(wants_usage=wants != "none")
+    r._strip_live = wants != "live"
+    first, second = _live_event('a \\"usage\\":{', 1), _live_event("b", 2)
+    r._feed(first[:50])
+    r._feed(first[50:] + second[:-1])
+    assert r._call.live_usage == b'{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1,' + (
+        b'"completion_tokens_details":null}'
+    )
+    r._feed(second[-1:] + FINAL_USAGE + b"data: [DONE]\n\n")
+    out = b"".join(r._out)
+    assert r._done and r._call.usage is not None and r._call.usage.completion_tokens == 2
+    assert b'completion_tokens":2,"completion_tokens_details' in r._call.live_usage
+    assert out.count(b'"usage":{') == {"none": 0, "final": 1, "live": 3}[wants], out
+    assert out.count(b"data: ") == (2 if wants == "none" else 3)
+    assert b'a \\"usage\\":{' in out  # content that looks like the mark is the client's text
+    assert orjson.loads(out.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"] == (
+        'a "usage":{'
+    )

@@ -22,15 +22,29 @@ def test_stream_forces_usage_upstream_and_remembers_the_client_did_not_ask() -> 
     r = parse_request(CHAT, body(model="m", messages=MSG, stream=True, top_k=5))
     assert r.modified
     sent = r.data
-    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert sent["top_k"] == 5
-    assert r.stream and not r.client_wants_usage
+    assert r.stream and not r.client_wants_usage and not r.client_wants_live_usage
 
 
-def test_stream_with_usage_requested_is_left_alone() -> None:
+def test_stream_with_usage_requested_still_gets_it_on_every_event_upstream() -> None:
     raw = body(model="m", prompt="x", stream=True, stream_options={"include_usage": True})
     r = parse_request(COMPLETIONS, raw)
-    assert r.client_wants_usage and not r.modified
+    assert r.client_wants_usage and not r.client_wants_live_usage and r.modified
+    assert r.data["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_without_tenants_only_the_final_usage_is_asked_for() -> None:
+    r = parse_request(CHAT, body(model="m", messages=MSG, stream=True), live_usage=False)
+    assert r.modified and r.data["stream_options"] == {"include_usage": True}
+    raw = body(model="m", prompt="x", stream=True, stream_options={"include_usage": True})
+    assert not parse_request(COMPLETIONS, raw, live_usage=False).modified
+
+
+def test_stream_with_both_usages_requested_is_left_alone() -> None:
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = parse_request(COMPLETIONS, body(model="m", prompt="x", stream=True, stream_options=opts))
+    assert r.client_wants_usage and r.client_wants_live_usage and not r.modified
 
 
 @pytest.mark.parametrize(

@@ -288,3 +288,30 @@ async def test_an_admit_cancelled_before_the_store_ran_it_changes_nothing_there(
         await g.close()  # applies the refund for "cut", which Redis never saw
     assert g.deferred == 0  # it was applied, not dropped
     assert await store_snapshot(own_redis.url) == before
+
+
+async def test_a_settlement_whose_metric_raises_still_frees_the_lease(
+    gate: tuple[QuotaGate, GatewayMetrics],
+) -> None:
+    # Review finding: a worker's usage of 1e308 tokens made the settled-tokens counter raise
+    # OverflowError after the ticket was closed, so the lease stayed until its TTL (900 s) and
+    # max_concurrent such answers locked the tenant out. Usage counts are now bounded
+    # (gateway.call.MAX_COUNT); the lease is freed whatever a metric raises.
+    g, m = gate
+    t = tenant()
+    tickets = await admit_n(g, t, 4)  # max_concurrent=4: the tenant is full
+    child = m.child
+
+    def overflowing(family: object, *labels: str) -> object:
+        if family is m.tenant_tokens and labels[-1] == "settled":
+            raise OverflowError("int too large to convert to float")
+        return child(family, *labels)  # type: ignore[arg-type]
+
+    m.child = overflowing  # type: ignore[method-assign]
+    with pytest.raises(OverflowError):
+        await g.settle(tickets[0], 10)
+    m.child = child  # type: ignore[method-assign]
+    for k in tickets[1:]:
+        await g.settle(k, 10)
+    again = [await g.admit(t, f"again-{i}", "m", 1000) for i in range(4)]
+    assert len(again) == 4  # every lease came back

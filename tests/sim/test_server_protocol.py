@@ -183,6 +183,41 @@ async def test_chat_stream_usage_only_when_requested(
     assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
 
 
+@pytest.mark.parametrize("chat", [True, False])
+async def test_continuous_usage_rides_on_every_event(
+    client: httpx.AsyncClient, sim_url: str, chat: bool
+) -> None:
+    # vLLM 0.32 `continuous_usage_stats`: the usage so far after `choices` in every event (the
+    # gateway asks for it, so a stream cut before its end is charged what it generated).
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if chat:
+        url, body = f"{sim_url}/v1/chat/completions", chat_body(max_tokens=4, stream=True)
+    else:
+        url, body = f"{sim_url}/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 4}
+    chunks = parse_stream(
+        (await client.post(url, json={**body, "stream": True, "stream_options": opts})).content
+    )
+    *events, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 4
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 4 and (counts[0] == 0) is chat
+    for e in events:
+        keys = list(e)
+        assert keys[keys.index("choices") + 1] == "usage"
+        u = e["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # Without include_usage it is ignored, as vLLM ignores it.
+    plain = parse_stream(
+        (
+            await client.post(
+                url,
+                json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            )
+        ).content
+    )
+    assert all("usage" not in c for c in plain)
+
+
 async def test_completions_stream_shapes(client: httpx.AsyncClient, sim_url: str) -> None:
     body = {
         "model": MODEL,

@@ -35,6 +35,8 @@ class GenRequest:
     ignore_eos: bool
     cache_salt: str | None
     base_id: str
+    # `stream_options.continuous_usage_stats` (with include_usage): usage on every event too.
+    continuous_usage: bool = False
 
 
 def is_int(v: Any) -> bool:

@@ -230,6 +230,11 @@ class SimWorker:
         include_usage = bool(
             stream_options and opt_bool(stream_options, "include_usage", loc="body.stream_options")
         )
+        continuous = bool(
+            stream_options
+            and opt_bool(stream_options, "continuous_usage_stats", loc="body.stream_options")
+        )
+        continuous_usage = include_usage and continuous  # vLLM: only with include_usage
         ignore_eos = opt_bool(body, "ignore_eos")
 
         n = body.get("n")
@@ -306,6 +311,7 @@ class SimWorker:
             ignore_eos=ignore_eos,
             cache_salt=cache_salt,
             base_id=request_base_id(headers, body),
+            continuous_usage=continuous_usage,
         )
 
     def submit(self, g: GenRequest) -> RequestHandle:
@@ -372,30 +378,38 @@ class SimWorker:
         dumps = orjson.dumps
         fp = b',"system_fingerprint":' + self._fingerprint_json
         final_fp = b"" if g.include_usage else fp
+        num_prompt = len(g.prompt_ids)
+        # Continuous usage: every event carries the usage so far, after `choices` (vLLM 0.32).
+        live = (
+            b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d,'
+            b'"completion_tokens_details":null}'
+            if g.continuous_usage
+            else b""
+        )
         if g.chat:
             head = prefix + b',"choices":[{"index":0,"delta":{"content":'
-            mid_tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+            mid_tail = b'},"logprobs":null,"finish_reason":null,"token_ids":null}]'
             fin_mid = b'},"logprobs":null,"finish_reason":"'
-            fin_tail = b'","stop_reason":null,"token_ids":null}]' + final_fp + b"}\n\n"
+            fin_tail = b'","stop_reason":null,"token_ids":null}]'
             role = (
                 prefix + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,'
-                b'"prompt_text":null}\n\n'
+                b'"logprobs":null,"finish_reason":null}]'
+                + (live % (num_prompt, num_prompt, 0) if live else b"")
+                + b',"prompt_token_ids":null,"prompt_text":null}\n\n'
             )
         else:
             head = prefix + b',"choices":[{"index":0,"text":'
             mid_tail = (
                 b',"logprobs":null,"finish_reason":null,"stop_reason":null,'
-                b'"prompt_token_ids":null,"token_ids":null}]}\n\n'
+                b'"prompt_token_ids":null,"token_ids":null}]'
             )
             fin_mid = b',"logprobs":null,"finish_reason":"'
-            fin_tail = (
-                b'","stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
-                + final_fp + b"}\n\n"
-            )  # fmt: skip
+            fin_tail = b'","stop_reason":null,"prompt_token_ids":null,"token_ids":null}]'
             role = b""
+        if not live:
+            mid_tail += b"}\n\n"
+        fin_end = final_fp + b"}\n\n"
         sent_tokens = 0
-        num_prompt = len(g.prompt_ids)
         cached = 0
         stall_at = faults.stall_after_tokens
         close_at = faults.close_after_tokens
@@ -417,6 +431,9 @@ class SimWorker:
                 if cut is not None:
                     if cut > 0:
                         buf = role + head + dumps(detok.text(ids[:cut])) + mid_tail
+                        if live:
+                            n = sent_tokens + cut
+                            buf += live % (num_prompt, num_prompt + n, n) + b"}\n\n"
                         role = b""
                         await send({"type": "http.response.body", "body": buf, "more_body": True})
                     sent_tokens += cut
@@ -429,12 +446,15 @@ class SimWorker:
                 buf = role
                 role = b""
                 sent_tokens += len(ids)
+                usage = live % (num_prompt, num_prompt + sent_tokens, sent_tokens) if live else b""
                 if not out.finished:
                     buf += head + text + mid_tail
+                    if live:
+                        buf += usage + b"}\n\n"
                     await send({"type": "http.response.body", "body": buf, "more_body": True})
                     continue
                 reason = (out.finish_reason or "length").encode()
-                buf += head + text + fin_mid + reason + fin_tail
+                buf += head + text + fin_mid + reason + fin_tail + usage + fin_end
                 if g.include_usage:
                     details = b'{"cached_tokens":%d' % cached
                     if g.chat:
