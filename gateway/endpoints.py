@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.config import WorkerSettings
 from gateway.core_settings import worker_spec
 from gateway.errors import APIError
+from gateway.tenancy import bearer_key
 from workers.worker import Worker
 
 if TYPE_CHECKING:
@@ -102,8 +103,7 @@ class Endpoints:
             raise APIError(
                 403, "admin endpoints are disabled (set admin.key_sha256)", "permission_error"
             )
-        auth = request.headers.get("authorization", "")
-        key = auth[7:] if auth[:7].lower() == "bearer " else ""
+        key = bearer_key(request.headers.get("authorization"))
         got = hashlib.sha256(key.encode()).hexdigest()
         if not key or not hmac.compare_digest(got.encode(), want.lower().encode()):
             raise APIError(401, "invalid admin key", "authentication_error", code="invalid_api_key")

@@ -129,6 +129,16 @@ def salt_secret(settings: Settings) -> bytes:
     return hashlib.sha256(b"\x00".join([*material, *(k.encode() for k in keys)])).digest()
 
 
+def bearer_key(authorization: str | None) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header ("" if none): the one parse, for
+    tenant and admin keys alike (the admin check kept the spaces the tenant one strips, so
+    ``Bearer  <key>`` worked for a tenant and was a 401 for the admin)."""
+    if not authorization:
+        return ""
+    scheme, _, rest = authorization.partition(" ")
+    return rest.strip() if scheme.lower() == "bearer" else ""
+
+
 class Tenants:
     """The tenant table of one config; rebuilt whole on reload."""
 
@@ -170,11 +180,7 @@ class Tenants:
         self.top_priority = max(t.priority for t in everyone) if everyone else 0.0
 
     def authenticate(self, authorization: str | None) -> Tenant:
-        key = ""
-        if authorization:
-            scheme, _, rest = authorization.partition(" ")
-            if scheme.lower() == "bearer":
-                key = rest.strip()
+        key = bearer_key(authorization)
         if key and self.enabled:
             tenant = self._by_key.get(hashlib.sha256(key.encode()).hexdigest())
             if tenant is None:

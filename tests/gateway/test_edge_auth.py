@@ -42,5 +42,9 @@ async def test_metrics_can_require_the_admin_key(sims) -> None:  # type: ignore[
         assert r.status_code == 401
         r = await c.get(g.url + "/metrics", headers=auth(ADMIN))
         assert r.status_code == 200 and "kvgate_requests_total" in r.text
+        # Parsed as a tenant key is (review finding: two spaces were a 401 for the admin only).
+        for header in (f"Bearer  {ADMIN}", f"bearer {ADMIN}"):
+            r = await c.get(g.url + "/metrics", headers={"authorization": header})
+            assert r.status_code == 200, header
     async with run_gateway(tenant_settings(fleet.urls)) as g, httpx.AsyncClient() as c:
         assert (await c.get(g.url + "/metrics")).status_code == 200  # off by default
