@@ -133,6 +133,8 @@ class Gateway:
         # Walks not yet handed to admission and a worker, and those a drain's grace cut.
         self._walks: set[asyncio.Task[Any] | None] = set()
         self._walks_cut: set[asyncio.Task[Any] | None] = set()
+        # Tenant -> request bodies it is uploading now (`_read_body`).
+        self._uploading: dict[str, int] = {}
         self.token_keyers = load_keyers(settings.routing.token_mode)
         self.policy: Policy = self._make_policy(settings.routing)
         self.tenants = Tenants(settings)
@@ -510,6 +512,43 @@ class Gateway:
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
 
     # -- the walk ----------------------------------------------------------------------------------
+    async def _read_body(self, request: Request, tenant: Tenant, hdrs: dict[str, str]) -> bytes:
+        """The body, read with no more uploads of one tenant at once than it may run requests.
+
+        A body is read before the quota admits the request (a refused one costs no upload),
+        while it already holds a place under `server.max_concurrent_requests`: a tenant with
+        `max_concurrent = 1` that opened 8 slow uploads held all 8 places of that cap, and
+        every other tenant got a 503 (review finding). Per process, as the cap is."""
+        settings = self.settings
+        cap = tenant.limits.max_concurrent
+        name = tenant.name
+        uploading = self._uploading
+        if cap is not None:
+            n = uploading.get(name, 0)
+            if n >= max(cap, 1):
+                raise APIError(
+                    429,
+                    f"Too many concurrent requests on your key (limit {cap}): this many of its "
+                    "requests are still uploading their bodies. Please try again shortly.",
+                    "requests",
+                    code="rate_limit_exceeded",
+                )
+            uploading[name] = n + 1
+        try:
+            return await read_body(
+                request,
+                hdrs.get("content-length"),
+                settings.server.max_body_bytes,
+                settings.timeouts.client_body_s,
+            )
+        finally:
+            if cap is not None:
+                n = uploading[name] - 1
+                if n:
+                    uploading[name] = n
+                else:
+                    del uploading[name]
+
     async def completions(self, request: Request) -> Response:
         path: str = request.scope["path"]  # not request.url: it builds a URL object (~2.5% CPU)
         # Our own id names the request everywhere it matters (quota reservation, usage record,
@@ -536,12 +575,7 @@ class Gateway:
             if self.draining:
                 raise _shutting_down()
             tenant = self.tenants.authenticate(hdrs.get("authorization"))
-            raw = await read_body(
-                request,
-                hdrs.get("content-length"),
-                settings.server.max_body_bytes,
-                settings.timeouts.client_body_s,
-            )
+            raw = await self._read_body(request, tenant, hdrs)
             open_gateway = not self.tenants.enabled  # caps nothing: the workers' flags decide
             req = parse_request(
                 path,
