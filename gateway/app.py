@@ -678,7 +678,13 @@ class Gateway:
                 # gone, a stream's before its first token): the compute was spent, so it is
                 # settled (gateway.settlement.charge says what it costs), not refunded.
                 call.status = e.status
-                call.outcome = "upstream_timeout" if e.status == 504 else "client_disconnect"
+                call.outcome = (
+                    "upstream_timeout"
+                    if e.status == 504
+                    else "upstream_too_large"
+                    if e.code == "upstream_response_too_large"
+                    else "client_disconnect"
+                )
                 await self.life.finish(call)
             else:
                 # No worker produced anything: not the tenant's doing, refund it all.

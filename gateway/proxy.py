@@ -40,6 +40,13 @@ from workers.worker import Worker
 log = logging.getLogger("kvgate.proxy")
 # Bytes of a worker's 5xx body kept (and, give or take one read, read) for the client's error.
 ERROR_BODY_MAX = 64 * 1024
+# The most a whole answer may hold, read into memory before the client gets any of it: a worker
+# sending a body that never ends grew the gateway by 200+ MiB in half a second. A 200 bounds what
+# a tenant may ask for (`prompt_logprobs` answers run to tens of MB: 46 MB measured, so well
+# above); any other status is an error or a refusal (vLLM's are a few hundred bytes; the bound
+# leaves room for a long validation report). Past it the read stops and the client gets a 502.
+WHOLE_BODY_MAX = 256 * 1024 * 1024
+WHOLE_ERROR_MAX = 1024 * 1024
 # vLLM's (and OpenAI's) error envelope: a worker that answers in it is up and answering.
 _ERROR_ENVELOPE = b'"error"'
 
@@ -118,6 +125,7 @@ class Proxy:
                     ).inc()
                 life.dispatched(policy, call, decision, worker)
                 handed_off = False
+                whole = 0  # the status of an answer being read whole: a failure is in its body
                 t_sent = time.perf_counter()
                 try:
                     # A non-streaming response starts only when generation ends: its wait is the
@@ -133,6 +141,23 @@ class Proxy:
                         # treated as the h1 client's connect error is: retried elsewhere.
                         await resp.abort()
                         raise UpstreamConnectError(f"malformed response: HTTP {resp.status}")
+                    if 300 <= resp.status < 400:
+                        # A redirect: the worker's URL is wrong (a path, a proxy in front), the
+                        # request was not served. Followed, the tenant's prompt went wherever the
+                        # worker pointed; relayed, the client got a bodiless 3xx to a POST. The
+                        # gateway's paths are its own, never the tenant's: the worker's doing.
+                        await resp.abort()
+                        call.upstream_sent = False
+                        last_error = APIError(
+                            502,
+                            f"A worker answered with a redirect (HTTP {resp.status}), which the "
+                            "gateway does not follow.",
+                            "upstream_error",
+                            code="upstream_redirect",
+                        )
+                        life.refused(worker, call)
+                        life.failed(worker, f"HTTP {resp.status} redirect")
+                        continue
                     if resp.status >= 500:
                         call.upstream_sent = False  # refused: nothing was generated
                         body = await _read_bounded(resp, t.idle_s)
@@ -155,6 +180,7 @@ class Proxy:
                         # Served here (a 200): a suspect's 500 was its own. A 4xx is no proof:
                         # a worker turning the request down says nothing for its servability.
                         served = resp.status == 200
+                        whole = resp.status
                         return await self._whole(call, worker, resp, headers, t, deadline)
                     first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
                     if first is None:
@@ -192,6 +218,20 @@ class Proxy:
                         # upstream request is aborted already (`_send`, `_first_chunk`, `_whole`).
                         raise self._shut_down(call, worker) from None
                     timeout = isinstance(e, TimeoutError)
+                    if timeout and whole not in (0, 200):
+                        # A refusal's body (a 4xx, read whole) outlasted the total deadline: no
+                        # time is left for another worker, whose attempt would only fail (and be
+                        # blamed) as one that "sent nothing"; the worker turned the request down,
+                        # so nothing was generated (refunded, as a refusal that ends is).
+                        call.upstream_sent = False
+                        life.failed(worker, "answer timeout")
+                        raise APIError(
+                            504,
+                            "The worker's answer did not finish within the gateway's total "
+                            "timeout.",
+                            "upstream_error",
+                            code="upstream_timeout",
+                        ) from None
                     if timeout and not call.stream and call.upstream_sent:
                         # The worker took the request and was generating: another attempt would
                         # generate it all again (and a client could burn fleet compute for free).
@@ -218,6 +258,8 @@ class Proxy:
                         504 if timeout else 502,
                         "The worker sent nothing before the first-byte timeout."
                         if timeout
+                        else "The worker's answer broke off."
+                        if whole
                         else "The worker's response broke off before it started.",
                         "upstream_error",
                         code="upstream_timeout" if timeout else "upstream_error",
@@ -309,12 +351,16 @@ class Proxy:
         t: TimeoutSettings,
         deadline: float,
     ) -> Response:
+        cap = WHOLE_BODY_MAX if resp.status == 200 else WHOLE_ERROR_MAX
         try:
             with self.deadlines.within(deadline - _now()):
-                body = await resp.read()
+                body = await _read_capped(resp, cap)
         except BaseException:
             await resp.abort()
             raise
+        if body is None:
+            await resp.abort()  # mid-body: the connection cannot be reused
+            raise self._too_large(call, worker, resp.status, cap)
         await resp.release()
         # No call.ttft: a whole response has no first token, and its duration would pollute the
         # TTFT histogram and the autoscaler's TTFT p95; it is recorded as e2e only.
@@ -334,6 +380,32 @@ class Proxy:
             raise
         headers["content-type"] = resp.headers.get("content-type", "application/json")
         return Response(body, resp.status, headers=headers)
+
+    def _too_large(self, call: Call, worker: Worker, status: int, cap: int) -> APIError:
+        """The 502 for a whole answer over its bound (`_whole`); retried nowhere.
+
+        A 200 was generated whole before its first byte came: the worker spent the compute, so
+        the walk settles it as a whole answer cut off (the reservation, ``upstream_sent`` left
+        set), and another attempt would generate it again for nothing. Nor is the worker blamed:
+        a tenant's request (``prompt_logprobs`` over a long prompt) can make an answer this big.
+        Any other status was no work done (refunded, as a worker's refusal is)."""
+        if status != 200:
+            call.upstream_sent = False
+        log.warning(
+            "request %s on %s: HTTP %d answer over %d bytes, cut off",
+            call.request_id,
+            worker.name,
+            status,
+            cap,
+        )
+        what = (
+            f"The worker's answer is larger than the gateway relays whole ({cap >> 20} MiB); "
+            "ask for less (prompt_logprobs, logprobs, n) or split the request."
+            if status == 200
+            else f"The worker answered HTTP {status} with a body larger than the gateway "
+            f"relays ({cap} bytes)."
+        )
+        return APIError(502, what, "upstream_error", code="upstream_response_too_large")
 
     def _headers(self, call: Call, worker: str, reason: str, settings: Settings) -> dict[str, str]:
         h = echo_headers(call.request_id, call.client_request_id)
@@ -380,6 +452,21 @@ async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
     else:
         await resp.abort()
     return b"".join(parts)[:ERROR_BODY_MAX]
+
+
+async def _read_capped(resp: UpstreamResponse, cap: int) -> bytes | None:
+    """A whole answer's body, or None once more than ``cap`` bytes came (what one read brings
+    past it is all that is held beyond the cap): the clients' own ``read`` buffers whatever the
+    worker sends until it ends."""
+    nxt = reader(resp)
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await nxt():
+        size += len(chunk)
+        if size > cap:
+            return None
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _usage_of(body: bytes) -> Usage | None:

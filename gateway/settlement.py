@@ -26,7 +26,7 @@ from gateway.quota_gate import QuotaGate, Ticket
 from gateway.usage import UsageSink
 
 # Outcomes of a non-streaming request cut off while a worker was generating it.
-CUT_OFF = frozenset({"upstream_timeout", "client_disconnect"})
+CUT_OFF = frozenset({"upstream_timeout", "client_disconnect", "upstream_too_large"})
 
 
 def charge(account: Account, call: Call) -> int | None:

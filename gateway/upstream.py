@@ -67,7 +67,7 @@ class _AiohttpResponse:
     async def read(self) -> bytes:
         try:
             return await self._r.read()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        except aiohttp.ClientError as e:
             raise UpstreamStreamError(str(e) or type(e).__name__) from e
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -78,7 +78,7 @@ class _AiohttpResponse:
                 if not chunk:
                     return
                 yield chunk
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+        except aiohttp.ClientError as e:
             raise UpstreamStreamError(str(e) or type(e).__name__) from e
 
     async def abort(self) -> None:
@@ -113,8 +113,13 @@ class AiohttpUpstream:
         if sent is not None:
             sent()
         try:
-            r = await self._session.post(url, data=body, headers=headers)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+            # Not followed: a worker's redirect would re-send the tenant's prompt wherever it
+            # points (any host); the proxy answers a 3xx as the worker's failure instead.
+            r = await self._session.post(url, data=body, headers=headers, allow_redirects=False)
+        except (aiohttp.ClientError, OSError) as e:
+            # Any failure before the head (a malformed one included: ClientResponseError) is
+            # the worker's, retried elsewhere as the h1 client's are; uncaught it was a 500
+            # internal_error with a traceback, never retried, the worker never blamed.
             raise UpstreamConnectError(str(e) or type(e).__name__) from e
         except TimeoutError as e:  # connect timeout
             raise UpstreamConnectError("connect timeout") from e
@@ -178,7 +183,9 @@ class HttpxUpstream:
         req = self._client.build_request("POST", url, content=body, headers=headers)
         try:
             r = await self._client.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+        except httpx.TransportError as e:
+            # Any failure before the head (a reset after the request was read: ReadError) is
+            # the worker's, retried elsewhere as the other clients' are (see aiohttp's above).
             raise UpstreamConnectError(str(e) or type(e).__name__) from e
         return _HttpxResponse(r)
 

@@ -48,6 +48,12 @@ from gateway.upstream import (
 # Body bytes buffered from a worker before its socket stops being read (the relay is slower than
 # the worker: a slow client); reading resumes once the relay has taken them.
 HIGH_WATER = 256 * 1024
+# A response head (status line and headers, interim 1xx heads included) bigger than this, or with
+# more header lines, is malformed. httptools bounds neither: a worker sending header lines without
+# end grew the gateway by 235 MiB, and one endless header value, which httptools re-joins on every
+# read, stalled the event loop 80-160 ms a read. vLLM's heads are a few hundred bytes.
+HEAD_MAX = 64 * 1024
+HEADERS_MAX = 256
 
 
 class _Unsolicited(Exception):
@@ -76,7 +82,8 @@ class _Conn(asyncio.Protocol):
         self.done = True
 
     def _reset(self) -> None:
-        self.status = 0
+        self.status = 0  # 0 until the final head is parsed: reads until then are head bytes
+        self.head_bytes = 0
         self.interim = False  # parsing a 1xx response that precedes the real one
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.head: asyncio.Future[None] | None = None
@@ -113,6 +120,12 @@ class _Conn(asyncio.Protocol):
                 self._fail(f"malformed response from worker: {e}")
             self.close()
             return
+        if not self.status:  # the head is still incomplete: all of this read was head
+            self.head_bytes += len(data)
+            if self.head_bytes > HEAD_MAX:
+                self._fail(f"malformed response from worker: head over {HEAD_MAX} bytes")
+                self.close()
+                return
         if self.batch:
             self._to_sink()
 
@@ -149,7 +162,11 @@ class _Conn(asyncio.Protocol):
             raise _Unsolicited
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name, value))
+        raw = self.raw_headers
+        if len(raw) >= HEADERS_MAX:
+            self._fail(f"malformed response from worker: over {HEADERS_MAX} header lines")
+            raise _Unsolicited
+        raw.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
