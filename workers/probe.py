@@ -18,30 +18,93 @@ build up to the ejection instead of being reset by the shallow probes in between
 readmission requires generation to work. It is skipped when a proxied request succeeded since the
 last one: real traffic already proved the worker generates, and a busy worker should not queue a
 probe behind its load (that would also make the deep timeout fire on a merely busy worker).
+
+Every answer is read with a byte cap (`METRICS_MAX_BYTES`, `ANSWER_MAX_BYTES`), not whole: the
+timeouts bound only time, and a worker whose `/metrics` was 100 MiB grew the gateway by ~600 MiB
+and stalled its event loop for seconds every probe interval. An answer over its cap is cut off
+(the connection is closed) and counts like an absent one: `/metrics` over the cap leaves the
+worker's metrics as they were; `/health`, `/v1/models` or the deep probe's answer over it is a
+failed probe. Warned once per worker and answer until it fits again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import json
 import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from workers.registry import Registry
-from workers.vllm_metrics import WorkerMetrics, parse_vllm_metrics
+from workers.vllm_metrics import MetricsTooLarge, WorkerMetrics, parse_vllm_metrics
 from workers.worker import Health, Worker
 
 log = logging.getLogger("kvgate.probe")
 
 ProbeHook = Callable[[Worker, bool, float], None]
 
+# The most of an answer a probe reads. A real vLLM 0.32 `/metrics` is ~59 KB for one engine
+# (tests/fixtures/vllm-0.32), mostly histogram buckets, which grow with data-parallel ranks: 4 MiB
+# is ~70 times that. Past it is no exposition, only memory and parse time (the cap bounds the
+# bytes, not the parse: that runs in a thread, see `_parse_metrics`).
+METRICS_MAX_BYTES = 4 << 20
+# `/health` answers nothing, `/v1/models` a few hundred bytes per model card (1 MiB: thousands of
+# LoRA adapters), the deep probe one token: 1 MiB is far above any real answer.
+ANSWER_MAX_BYTES = 1 << 20
+# JSON answers up to this size are decoded on the event loop (json.loads: ~10 us per KiB, so
+# < 1 ms); larger ones, only possible from an odd server, in a thread (1 MiB: ~10 ms).
+_JSON_INLINE_BYTES = 64 << 10
+
 
 class ProbeError(Exception):
     pass
+
+
+class AnswerTooLarge(ProbeError):
+    """An answer over its byte cap: cut off, not read."""
+
+    def __init__(self, path: str, cap: int, detail: str) -> None:
+        super().__init__(f"{path}: answer over the {cap}-byte cap ({detail}); not read")
+        self.path = path
+
+
+@dataclass(slots=True, frozen=True)
+class _Answer:
+    """What a probe keeps of a response: its status and its body, read up to a cap."""
+
+    status_code: int
+    content: bytes
+    charset: str | None
+
+    @property
+    def text(self) -> str:
+        return _decode(self.content, self.charset)
+
+
+def _decode(content: bytes, charset: str | None) -> str:
+    """As httpx's `Response.text` does: the declared charset, else UTF-8, bad bytes replaced."""
+    encoding = "utf-8"
+    if charset:
+        with contextlib.suppress(LookupError):
+            encoding = codecs.lookup(charset).name
+    return content.decode(encoding, errors="replace")
+
+
+async def _json(a: _Answer) -> Any:
+    if len(a.content) <= _JSON_INLINE_BYTES:
+        return json.loads(a.content)
+    return await asyncio.to_thread(json.loads, a.content)
+
+
+def _parse_metrics_body(content: bytes, charset: str | None) -> WorkerMetrics:
+    return parse_vllm_metrics(_decode(content, charset))
 
 
 class Prober:
@@ -82,6 +145,9 @@ class Prober:
         # Per worker: the last unexpected probe exception logged, so a worker that keeps
         # raising the same one logs its traceback once, not once per interval.
         self._raised: dict[str, str] = {}
+        # Per worker: the answers (paths) that were over their cap at the last probe, so a
+        # worker that keeps sending one warns once, not once per interval.
+        self._too_large: dict[str, set[str]] = {}
 
     def sync(self) -> None:
         """Start a probe task for every new worker and stop those of removed ones."""
@@ -92,6 +158,7 @@ class Prober:
                 self._since_deep.pop(name, None)
                 self._deep_at.pop(name, None)
                 self._raised.pop(name, None)
+                self._too_large.pop(name, None)
         for name in self.registry.workers:
             if name not in self._tasks:
                 self._wake[name] = asyncio.Event()
@@ -158,6 +225,67 @@ class Prober:
         t = self.timeout_s
         return httpx.Timeout(t, connect=t if self.connect_s is None else min(self.connect_s, t))
 
+    async def _fetch(self, w: Worker, method: str, path: str, cap: int, **kwargs: Any) -> _Answer:
+        """One request, its body read up to `cap` bytes. Raises AnswerTooLarge past it (leaving
+        the stream closes the connection: the rest is never read) and notes, for the warning,
+        which answers fit again."""
+        url = f"{w.url}{path}"
+        async with self.client.stream(method, url, **kwargs) as r:
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > cap:
+                e = AnswerTooLarge(path, cap, f"{declared} declared")
+                self._too_large_now(w, path, str(e))
+                raise e
+            buf = bytearray()
+            # Chunks as they arrive (one network read each, <= 64 KiB): at most cap + one read.
+            # Asked for identity (see `_headers`), so these are the bytes that came over the
+            # wire; a server that compresses anyway is decoded per read, and still cut here.
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                if len(buf) > cap:
+                    e = AnswerTooLarge(path, cap, "cut off")
+                    self._too_large_now(w, path, str(e))
+                    raise e
+            answer = _Answer(r.status_code, bytes(buf), r.charset_encoding)
+        self._fits_now(w, path)
+        return answer
+
+    def _too_large_now(self, w: Worker, key: str, message: str) -> None:
+        """Warn once per worker and answer while it stays too large, not once per interval."""
+        seen = self._too_large.setdefault(w.name, set())
+        if key in seen:
+            log.debug("worker %s: %s (again)", w.name, message)
+        else:
+            seen.add(key)
+            log.warning("worker %s: %s", w.name, message)
+
+    def _fits_now(self, w: Worker, key: str) -> None:
+        """That answer fits again: the next time it does not is warned again."""
+        seen = self._too_large.get(w.name)
+        if seen:
+            seen.discard(key)
+
+    async def _parse_metrics(self, w: Worker, a: _Answer) -> WorkerMetrics | None:
+        """The load and KV numbers from a `/metrics` answer; None where there are none.
+
+        In a thread, not on the event loop: no cap both fits real expositions and keeps the
+        parse to a few ms. The parser is pure Python, ~20 us per line of the families it reads,
+        and a cap bounds bytes, not those lines: 64 KiB of them took ~20 ms, 4 MiB 2.3 s, a
+        stall every probe interval. `vllm_metrics` now refuses more than MAX_RELEVANT_LINES
+        (4096) of them, still ~100 ms inline at that limit. Measured in a thread: the real
+        59 KB exposition 1-1.5 ms as inline; any 4 MiB text 10-20 ms (found without splitting
+        it), 4096 lines read ~130 ms, with the loop waiting at most ~10 ms for the GIL."""
+        try:
+            metrics = await asyncio.to_thread(_parse_metrics_body, a.content, a.charset)
+        except MetricsTooLarge as e:
+            self._too_large_now(w, "/metrics lines", f"/metrics: {e}; not used")
+            return None
+        except ValueError as e:
+            log.debug("worker %s: unparsable /metrics: %s", w.name, e)
+            return None
+        self._fits_now(w, "/metrics lines")
+        return metrics
+
     async def probe_once(self, name: str) -> bool:
         w = self.registry.workers.get(name)
         if w is None:
@@ -165,13 +293,18 @@ class Prober:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
-                models, metrics = await self._probe(w)
+                models, metrics_answer = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
             if self.registry.workers.get(name) is not w:
                 return False  # a reload replaced it meanwhile (a new URL): not its result
             self.registry.probe_failed(name, _describe(e))
             ok = False
         else:
+            # Outside the probe's timeout: the answer is in; parsing it is bounded by the caps,
+            # and metrics that cannot be read are no probe failure.
+            metrics = (
+                None if metrics_answer is None else await self._parse_metrics(w, metrics_answer)
+            )
             deep_err = await self._maybe_deep(w, models)
             if self.registry.workers.get(name) is not w:
                 # A reload moved the name to a new URL while the old one answered: the new
@@ -228,61 +361,79 @@ class Prober:
         return (base or ids or [None])[0]
 
     async def _deep(self, w: Worker, model: str) -> None:
-        headers = {"content-type": "application/json", "x-request-id": "kvgate-deep-probe"}
-        if w.spec.api_key:
-            headers["authorization"] = f"Bearer {w.spec.api_key}"
+        headers = {
+            **_headers(w),
+            "content-type": "application/json",
+            "x-request-id": "kvgate-deep-probe",
+        }
         body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
-        r = await self.client.post(
-            f"{w.url}/v1/completions", json=body, headers=headers, timeout=self.deep_timeout_s
+        r = await self._fetch(
+            w,
+            "POST",
+            "/v1/completions",
+            ANSWER_MAX_BYTES,
+            json=body,
+            headers=headers,
+            timeout=self.deep_timeout_s,
         )
         if r.status_code != 200:
             raise ProbeError(f"/v1/completions returned {r.status_code}: {_error_text(r)}")
-        data = r.json()
+        data = await _json(r)
         choices = data.get("choices") if isinstance(data, dict) else None
         if not isinstance(choices, list) or not choices:
             raise ProbeError("/v1/completions: no choices in the response")
 
-    async def _probe(self, w: Worker) -> tuple[list[dict[str, object]], WorkerMetrics | None]:
-        headers = {"authorization": f"Bearer {w.spec.api_key}"} if w.spec.api_key else None
+    async def _probe(self, w: Worker) -> tuple[list[dict[str, object]], _Answer | None]:
+        """The model cards and the `/metrics` answer (None where there is none to parse)."""
+        headers = _headers(w)
         timeout = self._http_timeout()
-        r = await self.client.get(f"{w.url}/health", headers=headers, timeout=timeout)
+        cap = ANSWER_MAX_BYTES
+        r = await self._fetch(w, "GET", "/health", cap, headers=headers, timeout=timeout)
         if r.status_code == 404:
             pass  # no /health on this server: /v1/models below is the health check
         elif r.status_code != 200:
             raise ProbeError(f"/health returned {r.status_code}")
         models_r, metrics_r = await asyncio.gather(
-            self.client.get(f"{w.url}/v1/models", headers=headers, timeout=timeout),
-            self.client.get(f"{w.url}/metrics", headers=headers, timeout=timeout),
+            self._fetch(w, "GET", "/v1/models", cap, headers=headers, timeout=timeout),
+            self._fetch(w, "GET", "/metrics", METRICS_MAX_BYTES, headers=headers, timeout=timeout),
             return_exceptions=True,
         )
         if isinstance(models_r, BaseException):
             raise models_r
         if models_r.status_code != 200:
             raise ProbeError(f"/v1/models returned {models_r.status_code}")
-        body = models_r.json()
+        body = await _json(models_r)
         if not isinstance(body, dict):  # `[]`, `null`: a proxy's or a half-started server's
             raise ProbeError(f"/v1/models: not a JSON object: {models_r.text[:80]!r}")
         data = body.get("data")
         if not isinstance(data, list):
             raise ProbeError("/v1/models: no data list")
         models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        metrics = None
-        if not isinstance(metrics_r, BaseException) and metrics_r.status_code == 200:
-            try:
-                metrics = parse_vllm_metrics(metrics_r.text)
-            except ValueError as e:
-                log.debug("worker %s: unparsable /metrics: %s", w.name, e)
-        return models, metrics
+        if isinstance(metrics_r, BaseException) or metrics_r.status_code != 200:
+            # Absent, failed or over its cap (warned in `_fetch`): no failure, no new numbers.
+            return models, None
+        return models, metrics_r
+
+
+def _headers(w: Worker) -> dict[str, str]:
+    # identity: so the cap counts the bytes that arrive; an answer compressed on request could
+    # decode to far more than the cap from one network read (vLLM gzips /metrics when asked).
+    headers = {"accept-encoding": "identity"}
+    if w.spec.api_key:
+        headers["authorization"] = f"Bearer {w.spec.api_key}"
+    return headers
 
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def _error_text(r: httpx.Response) -> str:
+def _error_text(r: _Answer) -> str:
     """The worker's error message (OpenAI/vLLM envelope) or the start of the body."""
     try:
-        body = r.json()
+        # Only a short one on the event loop (it is up to ANSWER_MAX_BYTES): an error envelope
+        # is a few hundred bytes.
+        body = json.loads(r.content) if len(r.content) <= _JSON_INLINE_BYTES else None
     except ValueError:
         body = None
     err = body.get("error") if isinstance(body, dict) else None

@@ -7,8 +7,14 @@ removed `gpu_*` names only as a fallback for older servers. Every series is summ
 Only the lines of the families read here reach the parser: a real vLLM 0.32 exposition is ~59 KB
 and 688 lines, mostly histogram buckets, and the pure-Python parser took 21 ms of event loop per
 scrape for all of it (64 workers probed every 2 s: two thirds of a core, in 21 ms stalls that
-every stream in flight waited out). Picking the ~20 lines first by name, a prefix test per line,
-costs ~0.4 ms; the whole parse is ~1.3 ms (tests/workers: same result as the full parse).
+every stream in flight waited out). Picking the ~30 lines first by name costs ~0.4 ms; the whole
+parse is ~1.3 ms (tests/workers: same result as the full parse).
+
+Bounded for an odd server's text too (the prober caps it at a few MiB and parses it in a thread):
+the lines are found with `str.find` of each family's name, never by splitting the whole text, so
+only the lines kept are ever made (`splitlines` on 4 MiB of short lines made 80 MiB of strings
+and held the GIL, the prober's event loop with it, for 0.3 s). The parser costs ~20 us per line
+it reads, so more than `MAX_RELEVANT_LINES` of them is refused: `MetricsTooLarge`.
 """
 
 from __future__ import annotations
@@ -43,6 +49,16 @@ _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 
 
+# The most lines of the families read that are looked at (~0.1 s of the prober's thread to parse).
+# A real vLLM 0.32 exposition has 37 for one engine (24 of them HELP/TYPE lines, once per family),
+# and each further data-parallel rank adds 12 samples: room for ~300 engines.
+MAX_RELEVANT_LINES = 4096
+
+
+class MetricsTooLarge(ValueError):
+    """More lines of the families read than `MAX_RELEVANT_LINES`: not parsed."""
+
+
 # Every family the parse below reads (counters also as `<name>_total`: a prefix covers both).
 _READ = (
     "process_start_time_seconds",
@@ -57,24 +73,52 @@ _READ = (
 
 def relevant_lines(text: str) -> str:
     """The samples, HELP and TYPE lines of the families in ``_READ``; the parser needs no more.
-    A family whose name merely starts like one of them passes too, and is ignored by name."""
-    keep = [
-        line
-        for line in text.splitlines()
-        if (
-            line.startswith(_READ)
-            or (line.startswith(("# HELP ", "# TYPE ")) and line.startswith(_READ, 7))
-        )
-        and not _metric_name(line).endswith("_created")  # counters' creation times
-    ]
+    A family whose name merely starts like one of them passes too, and is ignored by name.
+    Lines are split at "\n" only, as the parser splits them. Raises MetricsTooLarge past
+    `MAX_RELEVANT_LINES` names found, without looking further."""
+    found: dict[int, str] = {}  # where a line starts -> the line, to keep their order
+    seen = 0  # every place a name is found costs a turn of the loop: all count
+    for name in _READ:
+        i = text.find(name)
+        while i >= 0:
+            seen += 1
+            if seen > MAX_RELEVANT_LINES:
+                raise MetricsTooLarge(
+                    f"over {MAX_RELEVANT_LINES} lines of the families read; not parsed"
+                )
+            at = _line_start(text, i)
+            if at < 0:  # the name inside another line (a HELP text, a label value)
+                i = text.find(name, i + len(name))
+                continue
+            end = text.find("\n", i)
+            line = text[at:] if end < 0 else text[at:end]
+            if not _metric_name(line).endswith("_created"):  # counters' creation times
+                found[at] = line
+            i = -1 if end < 0 else text.find(name, end)
+    keep = [found[at] for at in sorted(found)]
     keep.append("")
     return "\n".join(keep)
 
 
+def _line_start(text: str, i: int) -> int:
+    """Where the line begins whose family name is at ``i`` (a sample's, or a HELP or TYPE
+    line's after its 7 characters), or -1 where the name at ``i`` is not one."""
+    if i == 0 or text[i - 1] == "\n":
+        return i
+    at = i - 7
+    if (
+        at >= 0
+        and text.startswith(("# HELP ", "# TYPE "), at)
+        and (at == 0 or text[at - 1] == "\n")
+    ):
+        return at
+    return -1
+
+
 def _metric_name(line: str) -> str:
     """The name alone: a label value may hold anything, "_created" included (a served model
-    named "ft_created-llama" must not hide that worker's load). Only lines that passed the
-    prefix test get here, ~30 of a scrape's ~700."""
+    named "ft_created-llama" must not hide that worker's load). Only lines that start like a
+    family read get here, ~30 of a scrape's ~700."""
     if line.startswith("#"):  # "# HELP name ..." / "# TYPE name type"
         return line[7:].partition(" ")[0]
     return line.partition("{")[0].partition(" ")[0]
