@@ -13,6 +13,12 @@ A few thousand silent or half-sent connections then lock every real client out. 
   idle sockets then recycles itself while real clients, whose heads arrive within milliseconds,
   get through. Only when every connection is busy with a request is the newcomer refused (a
   prebuilt 503 and close: no parsing, no task).
+* What follows a head is bounded as well. At most `MAX_PIPELINED` pipelined requests queue behind
+  the running one (uvicorn queued every head of a read: a gigabyte of them in seconds, keyless);
+  trailer fields are dropped and counted as head bytes (uvicorn added them to the request's
+  headers); a response that beats its request's body closes the connection (the rest of the body
+  was read as the next head). A refusal or a lost client ends the running request and drops the
+  queued ones (uvicorn told only the last one parsed: under pipelining a queued one).
 * A connection the server closes with bytes it wrote still unsent (in the transport's buffer:
   a client that does not read) is aborted instead, with a reset: asyncio's and uvloop's `close`
   waits for the buffer to drain, forever for such a client, and the socket, its pending bytes
@@ -51,7 +57,11 @@ import httptools
 import uvicorn
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from gateway.client_socket import AckProbe
 from gateway.config import ServerSettings
@@ -71,6 +81,12 @@ LINGER_S = 2.0
 # SO_LINGER on with a 0 s timeout: closing the socket resets the connection and drops what the
 # kernel still holds for the client (an abort's own close would leave it queued, orphaned).
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+# Requests one connection may have queued behind the one being answered (HTTP/1.1 pipelining).
+# uvicorn queues every complete head a read holds, and one read of whole `GET /health` heads is
+# ten thousand of them: without a cap a client grew the queue by that much per answer. Clients
+# that pipeline send two or three; at the cap the parser stops, the last queued request's answer
+# closes the connection, and the client sends the unanswered ones again (RFC 9112 9.3.2).
+MAX_PIPELINED = 8
 
 
 def _envelope_response(
@@ -214,6 +230,12 @@ _on_headers_complete = HttpToolsProtocol.on_headers_complete
 _on_response_complete = HttpToolsProtocol.on_response_complete
 
 
+class _StopParsing(Exception):
+    """Raised by a parser callback that has dealt with the connection already (refused it, or
+    stopped taking requests on it): httptools cannot pause, and an error is the only way to stop
+    it in the middle of a read. `data_received` finds it as the context of the parser's error."""
+
+
 class _ClientTransport:
     """The client connection's transport as uvicorn's code sees it (`protocol.transport`, which
     each request cycle takes): the real one, but its `close` is the protocol's `_uvicorn_close`.
@@ -265,11 +287,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         # The head deadline; while lingering, the end of the lingering.
         self._timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0  # bytes received while the current head is incomplete
+        # Bytes received while the current head is incomplete, or of its trailer section.
+        self._head_bytes = 0
         self._waiting = True  # no complete head since the connection opened or the last request
         self._counted = False  # counted in guard.open
         self._lingering = False  # refused: reading and dropping what the client still sends
+        self._discard = False  # the parser stopped (lingering, or no more requests taken)
         self._idle = self.guard.idle
+        # The request whose task runs (uvicorn's `cycle` is the last one parsed: under
+        # pipelining, a queued one), and the cycle whose chunked body is between a chunk's size
+        # line and its end (its data, or after the last one the trailer section).
+        self._running: RequestResponseCycle | None = None
+        self._in_chunk: RequestResponseCycle | None = None
         # A response's bytes still unsent (`_watch_drain`): the check's timer, the bytes left
         # and acked (kernel) at the last progress, when that was, and the bound.
         self._drain_timer: asyncio.TimerHandle | None = None
@@ -299,18 +328,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
         super().connection_lost(exc)
-        self._tell_lost()
+        self._end_requests()
         if isinstance(self.transport, _ClientTransport):
             self.transport._protocol = None  # no reference cycle left for the collector
 
-    def _tell_lost(self) -> None:
-        """Run the request's disconnect callback (`DisconnectWatch`) once its client is gone."""
-        cycle = self.cycle
-        if cycle is not None and cycle.disconnected:
-            lost = getattr(cycle, "kvgate_lost", None)  # DisconnectWatch.lost
-            if lost is not None:
-                cycle.kvgate_lost = None
-                lost()
+    def _end_requests(self) -> None:
+        """Every request on the connection is over for its client (gone, or the framing is lost):
+        the running one is marked disconnected, so it writes nothing more, and its disconnect
+        callback (`DisconnectWatch`) runs, which aborts its upstream call; the queued ones are
+        dropped, never started. uvicorn itself marks only `cycle`, the last one parsed: under
+        pipelining a queued request, while the running one went on for nobody."""
+        pipeline = self.pipeline
+        for cycle, _app in pipeline:
+            cycle.disconnected = True
+        pipeline.clear()
+        cycle = self._running
+        if cycle is None or cycle.response_complete:
+            return
+        cycle.disconnected = True
+        cycle.waiting_for_100_continue = False  # its `receive` writes nothing either
+        cycle.message_event.set()
+        lost = getattr(cycle, "kvgate_lost", None)  # DisconnectWatch.lost
+        if lost is not None:
+            cycle.kvgate_lost = None
+            lost()
 
     def _forget(self) -> None:
         """Stop counting this connection (it is closing or closed) and drop its timer."""
@@ -365,7 +406,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         the rest of a response that will never be whole, and the connection is aborted."""
         raw = self._raw
         if raw.get_write_buffer_size() and not raw.is_closing():
-            cycle = self.cycle
+            cycle = self._running
             if cycle is not None and not cycle.response_complete:
                 self._abort()
                 return
@@ -466,13 +507,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- request heads ---------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
-        if self._lingering:
-            return  # the rest of a refused request: dropped
+        if self._discard:
+            return  # the rest of a refused request, or requests no longer taken: dropped
         # uvicorn's own, with the parser's reason in the error (one static phrase per failure).
         self._unset_keepalive_if_required()
+        chunk = self._in_chunk
+        if chunk is not None:
+            body = len(chunk.body)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _StopParsing):
+                return  # a callback dealt with the connection
             if not self.transport.is_closing() and not self._lingering:  # else refused already
                 self.guard.bad_requests += 1
                 log.debug("malformed request from %s: %r", self.client, exc)
@@ -482,20 +528,43 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # The parser stops at an Upgrade (or CONNECT) request and parses nothing after it;
             # `on_headers_complete` dealt with the request and closes after its response.
             return
-        if self._waiting and not self._lingering and not self.transport.is_closing():
-            # Still no complete head after this chunk: bound its size and its time.
-            self._head_bytes += len(data)
-            if self._head_bytes > self.guard.max_head_bytes:
-                self.guard.head_too_large += 1
-                self._refuse(431, "Request headers too large", "request_header_fields_too_large")
-            elif self._timer is None:
-                self._timer = self.loop.call_later(self.guard.head_timeout_s, self._on_head_timeout)
+        if self._waiting:
+            if not self._lingering and not self.transport.is_closing():
+                # Still no complete head after this chunk: bound its size and its time.
+                self._head_bytes += len(data)
+                if self._head_bytes > self.guard.max_head_bytes:
+                    self.guard.head_too_large += 1
+                    self._refuse(
+                        431, "Request headers too large", "request_header_fields_too_large"
+                    )
+                elif self._timer is None:
+                    self._timer = self.loop.call_later(
+                        self.guard.head_timeout_s, self._on_head_timeout
+                    )
+        elif chunk is not None and self._in_chunk is chunk and len(chunk.body) == body:
+            # A whole read past a chunk's size line that added nothing to the body: the
+            # trailer section. The parser holds a field until it ends, out of `on_header`'s
+            # sight, so one that never ends is bounded here.
+            self._trailer_bytes(len(data))
 
-    # The three callbacks below run once per request: base methods called directly (not through
-    # super()) and the idle dict held on the instance keep them to about 1 us together.
+    # The callbacks below run once per request (`on_header` once per field): base methods called
+    # directly (not through super()) and the idle dict held on the instance keep them to about
+    # 1 us together.
     def on_message_begin(self) -> None:
+        if self.pipeline and len(self.pipeline) >= MAX_PIPELINED:
+            self._stop_taking()
+            raise _StopParsing
         self._waiting = True
         _on_message_begin(self)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._waiting:  # a field of the head: uvicorn's own, inline (a call per field saved)
+            name = name.lower()
+            if name == b"expect" and value.lower() == b"100-continue":
+                self.expect_100_continue = True
+            self.headers.append((name, value))
+        elif self._trailer_bytes(len(name) + len(value) + 4):
+            raise _StopParsing
 
     def on_headers_complete(self) -> None:
         # When the request head was complete: the walk's clock starts here, not when its task
@@ -513,6 +582,44 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         _on_headers_complete(self)
         if self.cycle is not None:
             self.cycle.kvgate_lost = None  # this cycle reports its disconnect (DisconnectWatch)
+        if self.pipeline:
+            # Queued behind the running request, and uvicorn stopped reading until its turn: a
+            # client that left meanwhile went unseen (its FIN waiting in the kernel) while the
+            # running request worked on for nobody. The queue is bounded (`MAX_PIPELINED`).
+            self.flow.resume_reading()
+        else:
+            self._running = self.cycle  # started at once (a queued one: `on_response_complete`)
+
+    # A chunked body's chunks: what follows the last one's size line is the trailer section.
+    def on_chunk_header(self) -> None:
+        self._in_chunk = self.cycle
+
+    def on_chunk_complete(self) -> None:
+        self._in_chunk = None
+        self._head_bytes = 0
+
+    def _trailer_bytes(self, n: int) -> bool:
+        """Count ``n`` bytes of a trailer section against the head's bound; True when that
+        refused the request. uvicorn added trailer fields to the request's headers, where auth,
+        request ids and the header limit are read, without a bound (a client grew one request's
+        headers by a hundred megabytes); nothing here uses trailers, so `on_header` drops them.
+        """
+        self._head_bytes += n
+        if self._head_bytes <= self.guard.max_head_bytes:
+            return False
+        self.guard.head_too_large += 1
+        self._refuse(431, "Request trailer section too large", "request_header_fields_too_large")
+        return True
+
+    def _stop_taking(self) -> None:
+        """The pipeline is full: the parser stops (what the read still holds is dropped) and the
+        last queued request's answer closes the connection; the client sends the unanswered
+        ones again on a new one. Until then the connection reads and drops what comes: a client
+        that leaves is seen (a paused socket misses a close, and the running request worked on
+        for nobody), and a flood costs reads, no memory."""
+        self.cycle.keep_alive = False
+        self._discard = True
+        self.flow.resume_reading()
 
     def _upgrade_requested(self) -> None:
         """No protocol upgrade is served here (websockets are off, h2c is not supported), and the
@@ -539,9 +646,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:
             _on_headers_complete(self)
             if self.cycle is not None:
+                if not self.pipeline:
+                    self._running = self.cycle
                 self.cycle.keep_alive = False
 
     def on_response_complete(self) -> None:
+        running = self._running
+        if running is not None and running.more_body and not self._raw.is_closing():
+            self._answered_early()
+            return
+        if self.pipeline and not self._raw.is_closing():
+            self._running = self.pipeline[-1][0]  # the next queued: uvicorn starts it now
         _on_response_complete(self)
         # uvicorn armed its keep-alive timer: no pipelined request, the connection stays open and
         # is idle until the next head (the timer stops at the next byte; `data_received` then
@@ -558,6 +673,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif self.timeout_keep_alive_task is not None and self._counted:
             self._waiting = True
             self._idle[self] = None
+
+    def _answered_early(self) -> None:
+        """The response went out before its request's body was all in (a bad key, a declared
+        size over the limit: answered from the head). The connection closes, lingering (the
+        client, maybe still sending, reads the answer rather than a reset) and dropping the rest
+        of the body: kept open, it was read as the next request's head, answered with a second,
+        unsolicited 431, or a 408 for a slow upload."""
+        self.server_state.total_requests += 1  # as uvicorn's `on_response_complete` counts
+        self._cancel_timer()
+        self._close_lingering()
 
     def _on_head_timeout(self) -> None:
         self._timer = None
@@ -590,8 +715,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     ) -> None:
         """Answer with an OpenAI error envelope and close: the connection's framing is lost.
 
-        A request in progress on this connection (a pipelined head went bad) is ended: its
-        response could not be delimited from this one. With `linger`, the close is a lingering
+        A request in progress on this connection (a pipelined head went bad) is ended, and any
+        queued behind it dropped (`_end_requests`): its response could not be delimited from
+        this one, and it must not run on for nobody. With `linger`, the close is a lingering
         one (RFC 9112 section 9.6): the response and a FIN go out, and what the client is still
         sending (the rest of a big body) is read and dropped for up to `LINGER_S`. Closing
         with unread data would send a reset, and the client's stack may then drop the response
@@ -601,19 +727,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._waiting = False
         self._cancel_timer()
         self.guard.idle.pop(self, None)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
-            cycle.message_event.set()
-            self._tell_lost()
-            if cycle.response_started:  # mid-response: no room for another status line
-                self._give_up()
-                return
+        running = self._running
+        mid_response = (
+            running is not None and running.response_started and not running.response_complete
+        )
+        self._end_requests()
+        if mid_response:  # no room for another status line
+            self._give_up()
+            return
         self.transport.write(_envelope_response(status, message, code, type_))
-        if not (linger and self._counted and self.transport.can_write_eof()):
+        if linger:
+            self._close_lingering()
+        else:
+            self._close_sent()
+
+    def _close_lingering(self) -> None:
+        """Close after what was written, reading and dropping what the client still sends for up
+        to `LINGER_S` (see `_refuse`)."""
+        if not (self._counted and self.transport.can_write_eof()):
             self._close_sent()
             return
-        self._lingering = True
+        self._lingering = self._discard = True
         self.guard.lingering[self] = None
         self.transport.write_eof()
         self.flow.resume_reading()
