@@ -112,7 +112,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -212,6 +212,24 @@ def _seq(raw: Any) -> int | None:
     return v if v > 0 else None
 
 
+def _tracked(rows: list[Learned], pos: list[int]) -> Iterator[Learned]:
+    """``rows`` from ``pos[0]`` on, ``pos[0]`` kept at the row being handed out: where a replay
+    that raised stopped."""
+    for i in range(pos[0], len(rows)):
+        pos[0] = i
+        yield rows[i]
+
+
+def _counted(
+    e: Learned, known: Container[str], forgot: Mapping[str, float], not_before: Mapping[str, float]
+) -> bool:
+    """Whether `apply_learned` counts ``e`` as applied (a known worker, not before its floor)."""
+    if e.worker not in known:
+        return False
+    floor = max(forgot.get(e.worker, float("-inf")), not_before.get(e.worker, float("-inf")))
+    return not e.at < floor
+
+
 class _Outgoing:
     """A batch of this replica's packed dispatches waiting for Redis to confirm it. Its ``seq``
     never changes once it has been sent (Redis may have stored a send that timed out), so
@@ -255,13 +273,18 @@ class ClusterSync:
         # Called when a peer's load on some worker went down: admission may admit now.
         self.on_freed = on_freed
         self.client = client if client is not None else make_client(redis_url, cfg.op_timeout_s)
+        # The op timeout the client's sockets were built with; None: the caller's client, which
+        # this replica does not rebuild.
+        self._client_timeout_s: float | None = None if client is not None else cfg.op_timeout_s
         self.state: State = "starting"
         self.seq = 0
         self.last_ok_at: float | None = None
         self.down_since = 0.0
         self.failures = 0
         self.outages = 0
-        self._in_store: set[str] = set()
+        # Fields of the last read, by the name the view knows them by: the field's own bytes go
+        # back to HDEL (a name that is not UTF-8 reads back altered, and would delete nothing).
+        self._in_store: dict[str, bytes] = {}
         self._task: asyncio.Task[None] | None = None
         # Learned routing state (prefix index entries, sessions): this replica's dispatches go
         # out through a stream, everyone else's come in and are replayed (scoring.learned).
@@ -296,6 +319,7 @@ class ClusterSync:
         # Set by start(): no warm-start read before the workers' first probes (or this time).
         self._probe_wait_until: float | None = None
         self.learned_stale = 0  # peer notes skipped: about a process or state forgotten since
+        self._row_error_logged_at = float("-inf")
         self.concurrent_s = max(LEARNED_CONCURRENT_S, 4 * cfg.publish_interval_s)
         self._read_count = LEARNED_READ_START
         self._seen: dict[bytes, int] = {}  # publisher -> the last batch sequence taken from it
@@ -328,7 +352,8 @@ class ClusterSync:
         return self.view.expiry_s
 
     def configure(self, cfg: ClusterSettings) -> None:
-        """Live changes from a config reload; Redis URL, key prefix and `enabled` need a restart."""
+        """Live changes from a config reload; Redis URL, key prefix and `enabled` need a restart.
+        A new ``op_timeout_s`` reaches the client's sockets at the next sync (`_rebuild_client`)."""
         self.interval_s = cfg.publish_interval_s
         self.op_timeout_s = cfg.op_timeout_s
         self.view.expiry_s = cfg.expiry_s
@@ -401,6 +426,8 @@ class ClusterSync:
         """Write this replica's snapshot (and its new dispatches), read everyone's, apply. False
         when Redis did not answer the heartbeat (the local view then ages as usual); the
         learned traffic runs beside it, on its own timeout, and its failures count apart."""
+        if self._client_timeout_s is not None and self._client_timeout_s != self.op_timeout_s:
+            await self._rebuild_client()
         state = self.routing
         if state is None:
             return await self._sync_load()
@@ -440,20 +467,35 @@ class ClusterSync:
                 pipe.pexpire(self.key, keep_ms)
                 pipe.hgetall(self.key)
                 if gone:
-                    pipe.hdel(self.key, *gone)
+                    pipe.hdel(self.key, *(self._in_store[r] for r in gone))
                 res = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as e:
             self._down(e)
             self.apply()
             return False
         self.round_trip.observe(time.perf_counter() - t0)
-        raw = {k.decode(errors="replace"): v for k, v in res[2].items()}
+        fields = {k.decode(errors="replace"): k for k in res[2]}
+        raw = {name: res[2][k] for name, k in fields.items()}
         now = self.clock()
         self.view.observe(raw, now)
-        self._in_store = set(raw).difference(gone)
+        for r in gone:
+            fields.pop(r, None)
+        self._in_store = fields
         self._up(now)
         self.apply(now)
         return True
+
+    async def _rebuild_client(self) -> None:
+        """A new client for a reloaded ``op_timeout_s``: the sockets' timeouts are fixed when a
+        client is built, and a raised op timeout still failed a round trip at the old socket
+        timeout (a 1.5 s stall failed at 1 s with 0.5 -> 5.0). Between two syncs, so no call of
+        this task is on the old client; it is closed, bounded, whatever happens to it."""
+        old = self.client
+        self.client = make_client(self.url, self.op_timeout_s)
+        self._client_timeout_s = self.op_timeout_s
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.op_timeout_s + 1.0):
+                await old.aclose()
 
     def _keep_ms(self) -> int:
         return max(60_000, int(self.view.expiry_s * 10_000))
@@ -686,15 +728,27 @@ class ClusterSync:
                 unknown.add(name)
             else:
                 not_before[name] = started + slack - offset
-        n = apply_learned(
-            state,
-            chunk,
-            known=known,
-            with_chains=self._replay_chains,
-            not_before=not_before,
-            own=own,
-            concurrent_s=self.concurrent_s,
-        )
+        n = 0
+        start = 0
+        while start < len(chunk):
+            pos = [start]
+            try:
+                n += apply_learned(
+                    state,
+                    _tracked(chunk, pos),
+                    known=known,
+                    with_chains=self._replay_chains,
+                    not_before=not_before,
+                    own=own,
+                    concurrent_s=self.concurrent_s,
+                )
+                break
+            except Exception as err:
+                # Rows before the one that raised are in; their count, as apply_learned keeps it.
+                at = pos[0]
+                n += sum(_counted(e, known, state.forgot_at, not_before) for e in chunk[start:at])
+                self._row_failed(chunk[at], err)
+                start = at + 1
         if own:
             return
         self.learned_applied += n
@@ -712,6 +766,24 @@ class ClusterSync:
                 if t < unverified.get(e.worker, float("inf")):
                     unverified[e.worker] = t
         self.learned_stale += considered - n
+
+    def _row_failed(self, e: Learned, err: Exception) -> None:
+        """A peer's note that decoded but could not be replayed: skipped and counted, the rest of
+        its batch still applied. Before, it raised out of the sync, which lost the rest of the
+        chunk and, from a peer that keeps writing such notes, logged a traceback a sync. Logged
+        once a minute at most."""
+        self.learned_malformed += 1
+        now = self.clock()
+        if now - self._row_error_logged_at < 60.0:
+            return
+        self._row_error_logged_at = now
+        log.warning(
+            "cluster: skipped another replica's note about worker %s that could not be "
+            "replayed (%s: %s); kvgate_cluster_learned_malformed counts them",
+            e.worker,
+            type(err).__name__,
+            err,
+        )
 
     def _verify_starts(self, state: RoutingState) -> None:
         """Notes applied for a worker before its process start was known (a warm start that
@@ -854,7 +926,8 @@ class ClusterCollector(Collector):
                 ),
                 (
                     "kvgate_cluster_learned_malformed",
-                    "Peer batches skipped because they did not decode",
+                    "Peer batches skipped because they did not decode, and single notes of "
+                    "theirs that could not be replayed",
                     s.learned_malformed,
                 ),
                 (
@@ -879,7 +952,8 @@ class ClusterCollector(Collector):
             )
         c = CounterMetricFamily(
             "kvgate_cluster_malformed_snapshots",
-            "Peer snapshots skipped because they did not decode (another version, or garbage)",
+            "Peer snapshot fields that did not decode (another version, or garbage), each "
+            "counted once",
         )
         c.add_metric([], float(s.view.malformed))
         yield c

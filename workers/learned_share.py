@@ -25,6 +25,7 @@ to tell notes about an earlier process of a worker that restarted.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from array import array
 from collections.abc import Sequence
@@ -44,6 +45,13 @@ __all__ = [
 
 _VERSION = 2
 _SWAP = sys.byteorder != "little"
+# A note's dispatch (``at``) and its batch's publish (``t``) are on one clock, ``at`` first; a
+# note waits in the outbox for as long as Redis is away, which a day covers. Further apart, in
+# either direction, the row was not written by this code.
+MAX_NOTE_AGE_S = 86_400.0
+# A prompt's tokens, at most: a session's note adds them to its worker's commitment
+# (`SessionTable.committed`), and one peer's 2**62 would weigh that worker down fleet-wide.
+MAX_PROMPT_TOKENS = 1 << 32
 
 
 def pack_chain(chain: Sequence[int]) -> bytes:
@@ -111,7 +119,12 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
     exact (its session turns are matched by them: `SessionTable.learn`).
     None for bytes this version does not read (a newer replica, or garbage): skipped, not
     trusted. A malformed entry drops the batch: a peer that writes one wrong entry is not to be
-    trusted on the others either."""
+    trusted on the others either. Well-typed is not enough: the index weighs a tail entry by the
+    difference of its neighbours in ``tail_ends`` and reads as many of them as the chain has tail
+    entries (`PrefixIndex.record`), so a short list raised out of the replay and a flat or
+    decreasing one weighed entries at 0 or less, which no capacity ever evicted (2,000 notes:
+    2,000,000 index entries on a 16,384-block worker). ``at`` far from ``t`` is a clock this
+    version did not write (it fed ~1e300 into the lag histogram's sum)."""
     try:
         d = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         if not isinstance(d, dict) or d.get("v") != _VERSION:
@@ -123,6 +136,9 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
             return None
         shift = 0.0 if now is None else now - sent
         out: list[Learned] = []
+        # Every row of a text-mode batch carries the same layout (`tail_layout`, 128 ends by
+        # default): each distinct one is checked once a batch.
+        layouts: dict[tuple[int, ...], bool] = {}
         for row in rows:
             worker, chain, dense, tails, session, tokens, at, blocks, done = row
             if not (
@@ -134,20 +150,29 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
                 and isinstance(done, bool)
                 and _is_count(dense)
                 and isinstance(tails, list)
-                and all(_is_count(t) for t in tails)
                 and (session is None or isinstance(session, str))
                 and _is_count(tokens)
                 and _is_time(at)
+                and abs(sent - at) <= MAX_NOTE_AGE_S
             ):
                 return None
+            ends = tuple(tails)
+            if ends:
+                ok = layouts.get(ends)
+                if ok is None:
+                    ok = layouts[ends] = _is_layout(ends)
+                # The local path sends the whole layout with a chain that may stop short of it
+                # (or of the dense head: a short prompt, whose tail the index ignores).
+                if not ok or ends[0] <= dense or len(chain) // 8 - dense > len(ends):
+                    return None
             out.append(
                 Learned(
                     worker,
                     unpack_chain(chain),
                     dense,
-                    tuple(tails),
+                    ends,
                     session or None,
-                    tokens,
+                    min(tokens, MAX_PROMPT_TOKENS),
                     at if now is None else min(at + shift, now),
                     unpack_chain(blocks),
                     done,
@@ -156,6 +181,11 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
         return tuple(key), out
     except (msgpack.UnpackException, ValueError, TypeError, KeyError):
         return None
+
+
+def _is_layout(ends: tuple[int, ...]) -> bool:
+    """Counts, strictly increasing: every tail entry spans at least one block."""
+    return all(map(_is_count, ends)) and all(map(operator.lt, ends, ends[1:]))
 
 
 def _is_count(v: object) -> bool:

@@ -31,6 +31,12 @@ __all__ = ["Load", "LoadView", "Snapshot", "decode_snapshot", "encode_snapshot"]
 Load = tuple[int, int]
 
 _VERSION = 1
+# A peer's count on one worker, at most (requests in flight, queued-prefill tokens): far above
+# anything a replica has. A buggy peer's 2**62 becomes a number that sums, gauges and float math
+# handle; a live peer that claims a worker full still fills it, as real load would, until its
+# heartbeat stops and it expires.
+MAX_IN_FLIGHT = 1 << 20
+MAX_PREFILL_TOKENS = 1 << 40
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,7 +73,7 @@ def decode_snapshot(raw: bytes) -> Snapshot | None:
                 and len(v) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
             ):
-                loads[name] = (v[0], v[1])
+                loads[name] = (min(v[0], MAX_IN_FLIGHT), min(v[1], MAX_PREFILL_TOKENS))
         return Snapshot(seq, loads)
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
@@ -94,19 +100,31 @@ class LoadView:
         self.expiry_s = expiry_s
         self.clock = clock
         self.peers: dict[str, _Peer] = {}
-        self.malformed = 0  # snapshots skipped because they did not decode
+        # Fields that did not decode: id -> (hash of their bytes, when those last changed). Their
+        # bytes are their heartbeat (another version's replica rewrites its field every interval,
+        # a dead one's never changes), so they expire like a silent peer and the store forgets
+        # them; untracked, a dead one's field stayed in Redis for good and counted once a read.
+        self.undecodable: dict[str, tuple[int, float]] = {}
+        self.malformed = 0  # fields that did not decode, each counted once
 
     def observe(self, raw: Mapping[str, bytes], now: float | None = None) -> None:
         """Record one read of every replica's snapshot (replica id -> encoded bytes)."""
         if now is None:
             now = self.clock()
+        bad = self.undecodable
         for rid, blob in raw.items():
             if rid == self.self_id:
                 continue
             snap = decode_snapshot(blob)
             if snap is None:
-                self.malformed += 1
+                h = hash(blob)
+                seen = bad.get(rid)
+                if seen is None:
+                    self.malformed += 1
+                if seen is None or seen[0] != h:
+                    bad[rid] = (h, now)
                 continue
+            bad.pop(rid, None)
             p = self.peers.get(rid)
             if p is None:
                 self.peers[rid] = _Peer(snap.seq, now, snap.loads)
@@ -119,6 +137,9 @@ class LoadView:
         gone = now - 10 * self.expiry_s
         for rid in [r for r, p in self.peers.items() if p.moved_at < gone]:
             del self.peers[rid]
+        bad = self.undecodable
+        for rid in [r for r, (_h, moved_at) in bad.items() if moved_at < gone]:
+            del bad[rid]
 
     def _alive(self, p: _Peer, now: float) -> bool:
         return now - p.moved_at <= self.expiry_s
@@ -130,10 +151,13 @@ class LoadView:
         return sorted(r for r, p in self.peers.items() if self._alive(p, now))
 
     def expired(self, now: float | None = None) -> list[str]:
-        """Peers known to be dead: the store may forget their snapshots."""
+        """Peers known to be dead, and fields that did not decode and have not changed for as
+        long: the store may forget their snapshots."""
         if now is None:
             now = self.clock()
-        return sorted(r for r, p in self.peers.items() if not self._alive(p, now))
+        dead = {r for r, p in self.peers.items() if not self._alive(p, now)}
+        dead.update(r for r, (_h, t) in self.undecodable.items() if now - t > self.expiry_s)
+        return sorted(dead)
 
     def totals(self, now: float | None = None) -> dict[str, Load]:
         """Per worker, the live peers' in-flight requests and queued-prefill tokens, summed."""
