@@ -14,6 +14,7 @@ records metrics and one log line. Nothing calls back into the walk.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -31,8 +32,8 @@ from gateway.admission import AdmissionController
 from gateway.autoscale import AutoscaleCollector, fleet_loads
 from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
-from gateway.config import RoutingSettings, Settings, to_core
-from gateway.config_watcher import ConfigWatcher
+from gateway.config import ConfigError, RoutingSettings, Settings, to_core
+from gateway.config_watcher import RESTART_ONLY_CLUSTER, RESTART_ONLY_SECTIONS, ConfigWatcher
 from gateway.core_settings import (
     admission_settings,
     precise_index,
@@ -59,6 +60,7 @@ from gateway.server import HEAD_AT, DisconnectWatch
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
 from gateway.tenancy import (
+    Access,
     Tenant,
     Tenants,
     apply_caps,
@@ -74,6 +76,7 @@ from gateway.validate import CHAT, parse_request, read_body, request_headers
 from scoring.policy import Policy, make_policy
 from scoring.state import RoutingState
 from scoring.views import RoutingOptions
+from workers.dispatch_load import DispatchLoad
 from workers.kv_intake import KVEndpoint, KVEventFleet, PreciseSink
 from workers.probe import Prober
 from workers.registry import Registry
@@ -87,6 +90,9 @@ log = logging.getLogger("kvgate.gateway")
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
 _RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
+# The load a record counts for requests still running on it (dispatched, prefill queued, KV on
+# its way): what a worker re-added at its address takes over from its retired record.
+_DISPATCH_LOAD = tuple(DispatchLoad.__annotations__)
 # What a drain answers every request it refuses or cuts off its worker (503 `shutting_down`).
 _SHUTTING_DOWN = "This gateway replica is shutting down; retry (another replica will answer)."
 
@@ -332,28 +338,32 @@ class Gateway:
 
     def apply(self, new: Settings) -> None:
         """Apply a validated config to the running gateway, whole or not at all: what can fail
-        (loading tokenizers) runs before anything changes, and raises to the caller (the
+        (a config that would let in callers the running one turns away, `Access.opened_by`;
+        loading tokenizers) runs before anything changes, and raises to the caller (the
         watcher then keeps the running config and counts a rejected reload)."""
         old = self.settings
+        opened = Access.of(old).opened_by(new)
+        if opened:
+            raise ConfigError(
+                f"{opened}; a reload never turns authentication off (a file caught "
+                "half-written would do it too): to run this config on purpose, restart the "
+                "gateway with it"
+            )
         r = new.routing
         keyers = None
         if r.token_mode != old.routing.token_mode:
             keyers = load_keyers(r.token_mode)  # a tokenizer.json that does not load: rejected
-        for section in ("server", "upstream"):
+        for section in RESTART_ONLY_SECTIONS:
             if getattr(old, section) != getattr(new, section):
                 log.warning("[%s] changed: takes effect after a restart", section)
-        if new.quota != old.quota:
-            log.warning("[quota] changed: takes effect after a restart")
         if new.autoscale != old.autoscale:
             self.autoscale.configure(to_core(new.autoscale, AutoscaleSettings))
         if new.cluster != old.cluster:
             if any(
-                getattr(old.cluster, k) != getattr(new.cluster, k)
-                for k in ("enabled", "redis_url", "key_prefix", "share_learned")
+                getattr(old.cluster, k) != getattr(new.cluster, k) for k in RESTART_ONLY_CLUSTER
             ):
                 log.warning(
-                    "[cluster] enabled/redis_url/key_prefix/share_learned: take effect after a "
-                    "restart"
+                    "[cluster] %s: take effect after a restart", "/".join(RESTART_ONLY_CLUSTER)
                 )
             if self.cluster is not None:
                 self.cluster.configure(new.cluster)  # interval, expiry, timeout: live
@@ -424,6 +434,8 @@ class Gateway:
             old = before.get(name)
             if old is not None and old.in_flight > 0:
                 self._retired.append(old)  # its requests still run: drain counts them
+        for name in added:
+            self._reclaim(name)
         if removed:
             self._forget_models()
         if added or removed:
@@ -432,6 +444,31 @@ class Gateway:
             self.prober.sync()
             # Started gateways only: start() subscribes the initial fleet itself.
             self._schedule_kv_sync()
+
+    def _reclaim(self, name: str) -> None:
+        """A worker just added under the name and URL of a retired record (removed, then added
+        back, while requests ran there) is the same server: those requests take its room.
+
+        The registry's new record started at 0 in flight, and the retired one's requests release
+        the record they hold, never the new one: the server took its whole cap again on top of
+        what still ran (review: cap 4, 4 running, room 4 after a remove and re-add), and other
+        replicas did not see that load ([cluster] publishes registry records only). So the
+        retired record, reset to what a new one holds except that load, takes the new one's
+        place: the requests running there release the record that counts them, once each."""
+        fresh = self.registry.workers[name]
+        for i, old in enumerate(self._retired):
+            if old.name == name and old.url == fresh.url and old.in_flight > 0:
+                del self._retired[i]
+                break
+        else:
+            return
+        load = {k: getattr(old, k) for k in _DISPATCH_LOAD}
+        for f in dataclasses.fields(Worker):
+            setattr(old, f.name, getattr(fresh, f.name))
+        for k, v in load.items():
+            setattr(old, k, v)
+        self.registry.workers[name] = old
+        self.metrics.child(self.metrics.in_flight, name).set(old.in_flight)
 
     def _forget_routing(self, name: str) -> None:
         """What routing learned of a worker that left (or restarted: its cache is gone). The

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import logging
 import os
 import secrets
 import signal
@@ -116,6 +117,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             update={"server": settings.server.model_copy(update=overrides)}
         )
     setup_logging(settings.logging.level, settings.logging.format)
+    if child is not None:
+        from gateway.process_child import EXIT_CONFIG_REFUSED, start_settings
+
+        try:
+            settings = start_settings(settings, child)
+        except ConfigError as e:
+            logging.getLogger("kvgate.supervisor").error(
+                "process %d refuses to start: %s", child.index, e
+            )
+            return EXIT_CONFIG_REFUSED
     try:
         processes = process_count(
             args.processes if args.processes is not None else settings.server.processes

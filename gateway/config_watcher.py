@@ -22,6 +22,12 @@ from gateway.config import ConfigError, Settings, load_settings
 
 log = logging.getLogger("kvgate.config")
 
+# What a reload cannot change (`Gateway.apply` warns "takes effect after a restart"): whole
+# sections, and these keys of [cluster]. `kvgate serve --processes N` pins them for a child it
+# restarts (`gateway.process_child.start_settings`), so that every child runs the same ones.
+RESTART_ONLY_SECTIONS = ("server", "upstream", "quota")
+RESTART_ONLY_CLUSTER = ("enabled", "redis_url", "key_prefix", "share_learned")
+
 # A change is applied once the file reads the same at both ends of this window: writers that
 # truncate and then write, or write in chunks, leave a file that is empty or a prefix (a prefix
 # of a valid file is often itself valid: fewer workers, no tenants) until they are done.
@@ -46,8 +52,9 @@ class _Layout:
 class ConfigWatcher:
     """Reloads the file on change (watchfiles) and on SIGHUP; applies only valid configs.
 
-    `on_change(new)` runs for every valid, different config; `on_error(msg)` for every rejected
-    one, after which the running config stays as it was.
+    `on_change(new)` runs for every valid, different config, and refuses one by raising
+    (`ConfigError` for a refusal it explains: logged as its reason alone); `on_error(msg)` runs
+    for every rejected one, after which the running config stays as it was.
     """
 
     def __init__(
@@ -76,6 +83,12 @@ class ConfigWatcher:
         if new != self.current:
             try:
                 self._on_change(new)
+            except ConfigError as e:
+                # Refused on purpose (a reload that would open an authenticated gateway): the
+                # reason is the message, a traceback would only bury it.
+                log.error("config reload rejected, keeping the running config: %s", e)
+                self._on_error(str(e))
+                return False
             except Exception as e:
                 # Rejected whole (Gateway.apply does its fallible part first), and not taken
                 # as current: the same file, fixed in place (a tokenizer), loads next time.

@@ -34,13 +34,23 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from pydantic import ValidationError
 
+from gateway.config import ConfigError, Settings
+from gateway.config_watcher import RESTART_ONLY_CLUSTER, RESTART_ONLY_SECTIONS
 from gateway.metrics import merge_expositions, supervisor_exposition
+from gateway.tenancy import Access
 
 log = logging.getLogger("kvgate.supervisor")
 
 SIBLING_TIMEOUT_S = 1.0
 STATE_FILE = "state.json"
+# What the gateway started with, as far as a child (re)started later must run it too
+# (`write_start`, `start_settings`); in the private run directory: it holds Redis URLs.
+START_FILE = "start.json"
+# A child's exit status when it refuses the config it found (`start_settings`): the supervisor
+# names the reason in its log (sysexits' EX_CONFIG).
+EXIT_CONFIG_REFUSED = 78
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,76 @@ class ChildSpec:
 
     def metrics_path(self, index: int) -> Path:
         return Path(self.run_dir) / f"metrics-{index}.sock"
+
+
+def write_start(run_dir: str | Path, settings: Settings) -> None:
+    """Record, before the first child starts, what every child must run whenever it starts:
+    the settings a reload cannot change (`RESTART_ONLY_SECTIONS`, `RESTART_ONLY_CLUSTER`) and
+    who the gateway let in without a key (`Access`)."""
+    pinned: dict[str, Any] = {
+        section: getattr(settings, section).model_dump(mode="json")
+        for section in RESTART_ONLY_SECTIONS
+    }
+    cluster = settings.cluster.model_dump(mode="json")
+    pinned["cluster"] = {k: cluster[k] for k in RESTART_ONLY_CLUSTER}
+    access = Access.of(settings)
+    data = {
+        "restart_only": pinned,
+        "access": {"keyed": access.keyed, "anonymous": access.anonymous},
+    }
+    path = Path(run_dir) / START_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+def start_settings(settings: Settings, spec: ChildSpec) -> Settings:
+    """`settings` (the file as this child read it) as this child must run them: the restart-only
+    settings the gateway started with, and never open where it started closed.
+
+    A child reads the file as it starts, and one restarted after an edit (a crash, an OOM kill,
+    the hung-child watchdog) read what its siblings only warned about ("takes effect after a
+    restart"): `[quota] backend = "memory"` had it enforce every limit on its own beside the
+    shared ones, which `supervise` refuses at start for this reason; a new `[server]`, Redis URL
+    or cluster key prefix split the gateway the same way. Those are the start's here, as they
+    are in the siblings, until the whole gateway restarts. A file that would let in callers
+    without a key that the gateway turned away is refused (`ConfigError`): its siblings refused
+    it as a reload (`Access.opened_by`), and this child is not to serve it either.
+
+    Those sections are validated again, so the environment still beats both (the supervisor's
+    `child_environment` overrides, which its own copy of the settings lacks).
+    """
+    path = Path(spec.run_dir) / START_FILE
+    try:
+        start = json.loads(path.read_bytes())
+        pinned, access = start["restart_only"], Access(**start["access"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: cannot read what the gateway started with: {e}") from e
+    opened = access.opened_by(settings)
+    if opened:
+        raise ConfigError(
+            f"the config file has changed since the gateway started and {opened}: its running "
+            "processes refused it, and so does this one; restart the whole gateway to run it"
+        )
+    sections = (*RESTART_ONLY_SECTIONS, "cluster")
+    data = {s: getattr(settings, s).model_dump(mode="json") for s in sections}
+    for section, values in pinned.items():
+        data[section] = {**data[section], **values}  # [cluster]: the file's live keys stay
+    try:
+        validated = Settings(**data)
+    except ValidationError as e:
+        raise ConfigError(f"the start's restart-only settings do not fit the file: {e}") from e
+    # Only those sections come from the round trip: the rest stays the file's, as read.
+    merged = settings.model_copy(update={s: getattr(validated, s) for s in sections})
+    changed = [s for s in sections if getattr(settings, s) != getattr(merged, s)]
+    if changed:
+        log.warning(
+            "process %d: the config file's %s changed since the gateway started; this process "
+            "runs the start's values, as its siblings do, until the whole gateway restarts",
+            spec.index,
+            ", ".join(f"[{s}]" for s in changed),
+        )
+    return merged
 
 
 def read_state(run_dir: str | Path) -> dict[str, Any] | None:
@@ -238,7 +318,7 @@ async def run_child(app: Any, server: Any, spec: ChildSpec) -> None:
 
 
 def _remove_run_dir(run_dir: Path) -> None:
-    for name in (STATE_FILE, STATE_FILE + ".tmp"):
+    for name in (STATE_FILE, STATE_FILE + ".tmp", START_FILE):
         with contextlib.suppress(OSError):
             (run_dir / name).unlink()
     with contextlib.suppress(OSError):

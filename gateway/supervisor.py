@@ -46,6 +46,14 @@ found a healthy worker (`Gateway._first_probes`), not answering 503 beside sibli
 A child that has not listened `STARTUP_TIMEOUT_S` (60 s) plus that first-probe wait after its
 start is stuck (a hung connect) and is killed: restarted like a crashed one, or at the first start
 the start fails; otherwise its slot would stay empty without a word.
+A child reads the config file as it starts, so one restarted after an edit would run settings its
+siblings only warned about ("takes effect after a restart"): memory quotas beside shared ones (what
+`shared_state_problem` refuses at start), another Redis, cluster key prefix or [server]. The
+supervisor records its start's restart-only settings in the run directory (`write_start`) before
+any child starts, and every child runs those (`gateway.process_child.start_settings`). A child
+whose file would let in callers without a key that the gateway turned away exits 78 instead of
+serving it (its siblings refused the same file as a reload); it is restarted with the backoff,
+and starts once the file is fixed.
 SIGTERM/SIGINT are forwarded (as SIGTERM) to every child, one per signal received: the first
 drains each of them (gateway/server.py `DrainingServer`), a second stops them now, a fourth kills
 them; the supervisor exits once all have exited (0 when every child it stopped exited cleanly).
@@ -84,7 +92,13 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import Settings
-from gateway.process_child import STATE_FILE, ChildSpec, tcp_socket
+from gateway.process_child import (
+    EXIT_CONFIG_REFUSED,
+    STATE_FILE,
+    ChildSpec,
+    tcp_socket,
+    write_start,
+)
 
 log = logging.getLogger("kvgate.supervisor")
 
@@ -200,6 +214,11 @@ def _exit_text(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
         return f"signal {-code}"
+    if code == EXIT_CONFIG_REFUSED:
+        return (
+            f"code {code} (it refused the config file, which changed since the gateway started "
+            "in a way only a restart of the whole gateway may apply; its reason is logged above)"
+        )
     return f"code {code}"
 
 
@@ -260,6 +279,8 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until every child has exited after a signal; the exit status."""
         self.run_dir = tempfile.mkdtemp(prefix="kvgate-")
+        # Before any child: a child restarted after an edit runs what its siblings run.
+        write_start(self.run_dir, self.settings)
         self.lifeline_r, self.lifeline_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)

@@ -139,6 +139,39 @@ def bearer_key(authorization: str | None) -> str:
     return rest.strip() if scheme.lower() == "bearer" else ""
 
 
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who a config lets in without a key, as far as opening it up goes: whether any tenant is
+    configured (without one, everyone is served, keys or not), and the tenant served to callers
+    without a key ("" for none)."""
+
+    keyed: bool
+    anonymous: str = ""
+
+    @classmethod
+    def of(cls, settings: Settings) -> Access:
+        return cls(bool(settings.tenants), settings.tenancy.anonymous_tenant or "")
+
+    def opened_by(self, new: Settings) -> str | None:
+        """Why `new` would serve callers this access turned away (None when it would not).
+
+        Only a restart may do that: a live reload also takes what a writer left half done (a
+        rewrite that has written the workers and not yet the tenants is a valid config), and a
+        gateway that silently dropped its authentication on such a file served anyone until the
+        rest landed. Closing (tenants added, the anonymous tenant removed) stays live."""
+        if not self.keyed:
+            return None
+        if not new.tenants:
+            return "it configures no [tenants], which would serve every request without an API key"
+        anon = new.tenancy.anonymous_tenant
+        if anon and not self.anonymous:
+            return (
+                f"it sets tenancy.anonymous_tenant = {anon!r}, which would serve requests "
+                "without an API key"
+            )
+        return None
+
+
 class Tenants:
     """The tenant table of one config; rebuilt whole on reload."""
 
