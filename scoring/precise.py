@@ -53,17 +53,27 @@ honest): ~270 bytes per (worker, block) entry when no other worker holds the key
 workers share it, ~185 when 16 do, counting the engine-hash ints the index keeps alive (one above
 2^63 is a 36-byte int) and each worker's own copy of the key int. 16 workers holding 100k blocks
 each (1.6M tokens apiece) is ~300-430 MB; pending adds ~50-75 bytes per (worker, key) dispatched in
-the last ``pending_ttl_s``.
+the last ``pending_ttl_s``. What a worker's events may make it hold is bounded (``set_capacity``:
+its reported KV blocks times ``OFFLOAD_SLACK``, at most ``MAX_WORKER_BLOCKS``, ~140 MB); past the
+bound the blocks it stored first are dropped, so a worker that over-claims is under-credited.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Hashable, Sequence
 
 from scoring.prefix import chain_hashes_tokens
 
-__all__ = ["PreciseIndex"]
+__all__ = ["MAX_WORKER_BLOCKS", "OFFLOAD_SLACK", "PreciseIndex"]
+
+# What one worker's events may make the index hold: they come from the worker, and nothing else
+# bounds them (one 4 MiB batch can name 650,000 blocks of one token, ~270 bytes each here). An
+# engine holds at most its GPU blocks plus what its offload tiers keep; with that unknown, the
+# bound is the approximate index's largest capacity (32,768 blocks) times OFFLOAD_SLACK.
+OFFLOAD_SLACK = 16
+MAX_WORKER_BLOCKS = 32_768 * OFFLOAD_SLACK  # ~140 MiB of entries per worker at most
 
 _MASK64 = (1 << 64) - 1
 # Per-(worker, key) reference counts, packed in one int: engine hashes of this worker that map to
@@ -111,7 +121,13 @@ class PreciseIndex:
         settle_s: float = 1.0,
         stale_after_s: float = 10.0,
         stale_after_dispatches: int = 20,
+        max_worker_blocks: int | None = None,
     ) -> None:
+        self.max_worker_blocks = int(
+            MAX_WORKER_BLOCKS if max_worker_blocks is None else max_worker_blocks
+        )
+        # Blocks dropped because a worker claimed more than its bound (`set_capacity`).
+        self.overflow: dict[str, int] = {}
         self.offload_weight = float(offload_weight)
         self.pending_ttl_s = float(pending_ttl_s)
         self.settle_s = float(settle_s)
@@ -136,6 +152,8 @@ class PreciseIndex:
         # key -> dispatches that noted it and are not done: one done (or refused) dispatch cuts
         # a key's expiry to settle_s only when no other is still waiting to prefill it.
         self._pn: list[dict[int, int]] = []
+        self._cap: list[int] = []  # engine hashes the slot may hold (`set_capacity`)
+        self._trimmed: list[int] = []  # engine hashes trimmed since its e2k was last compacted
         self._live: list[bool] = []
         self._last: list[float] = []  # time of the last event batch (or of going live)
         self._disp: list[int] = []  # dispatches since then
@@ -159,10 +177,14 @@ class PreciseIndex:
             self._refs.append({})
             self._pexp.append({})
             self._pn.append({})
+            self._cap.append(0)
+            self._trimmed.append(0)
             self._live.append(False)
             self._last.append(now)
             self._disp.append(0)
         self._names[slot] = worker
+        self._cap[slot] = self.max_worker_blocks
+        self._trimmed[slot] = 0
         self._e2k[slot] = {}
         self._refs[slot] = {}
         self._pexp[slot] = {}
@@ -203,6 +225,7 @@ class PreciseIndex:
         self.clear(worker)
         slot = self._slot.pop(worker, None)
         self.unkeyed.pop(worker, None)
+        self.overflow.pop(worker, None)
         if slot is None:
             return
         self._names[slot] = None
@@ -213,6 +236,45 @@ class PreciseIndex:
         self._live[slot] = False
         self._disp[slot] = 0
         self._invalidate()
+
+    def set_capacity(self, worker: str, num_blocks: int) -> None:
+        """The KV blocks ``worker`` reports (vLLM's num_gpu_blocks; 0: unknown): its events may
+        make the index hold ``num_blocks * OFFLOAD_SLACK`` blocks (GPU plus offload tiers), never
+        more than ``max_worker_blocks``. Past it the blocks it stored first are dropped, as if
+        evicted: an engine that claims more than it can hold is under-claimed, never trusted
+        with more memory here."""
+        slot = self._slot_of(worker)
+        cap = self.max_worker_blocks
+        if num_blocks > 0:
+            cap = min(cap, num_blocks * OFFLOAD_SLACK)
+        if cap != self._cap[slot]:
+            self._cap[slot] = cap
+            self._trim(slot)
+
+    def capacity(self, worker: str) -> int:
+        """Blocks the index will hold for ``worker`` at most."""
+        slot = self._slot.get(worker)
+        return self.max_worker_blocks if slot is None else self._cap[slot]
+
+    def _trim(self, slot: int) -> None:
+        """Down to the slot's bound, first stored first out. A dict iterates in insertion order,
+        so the oldest engine hashes are its first ones (a block gaining a tier keeps its place)."""
+        e2k = self._e2k[slot]
+        over = len(e2k) - self._cap[slot]
+        if over <= 0:
+            return
+        name = self._names[slot]
+        assert name is not None
+        self.overflow[name] = self.overflow.get(name, 0) + over
+        self._drop(slot, list(itertools.islice(e2k, over)), 3)
+        # A dict iterates from its first slot, over every deleted entry: once the front is
+        # mostly holes each trim would scan them all (3 ms per 2,048 blocks at 524,288), so
+        # the dict is rebuilt, in order, every so often (~20 ms at that size).
+        t = self._trimmed[slot] + over
+        if t > max(4096, len(e2k) >> 3):
+            self._e2k[slot] = dict(e2k)
+            t = 0
+        self._trimmed[slot] = t
 
     # -- liveness ----------------------------------------------------------------------------
     def set_live(self, worker: str, live: bool, now: float = 0.0) -> None:
@@ -271,11 +333,14 @@ class PreciseIndex:
         parent: Hashable | None,
         token_ids: Sequence[int],
         block_size: int,
-        root_seed: int,
+        root_seed: int | None,
         medium: str | None = "GPU",
         now: float = 0.0,
     ) -> int:
         """BlockStored: key the blocks from their tokens and record them; returns blocks recorded.
+
+        ``root_seed`` None: the chain's root cannot be keyed (the event does not say its salt),
+        so a first block is recorded only if this worker's engine hash for it is mapped already.
 
         An engine hash already mapped keeps its key and only gains the tier, so it needs no
         tokens: vLLM's CPU-offload stores are by default placeholders (the hash, no token ids,
@@ -332,6 +397,8 @@ class PreciseIndex:
                 holders[k] = m
         if self._pending:
             self._drop_pending(slot, keys)
+        if len(e2k) > self._cap[slot]:
+            self._trim(slot)
         return len(keys)
 
     @staticmethod
@@ -380,7 +447,10 @@ class PreciseIndex:
         """
         slot = self._slot_of(worker, now)
         self.touch(worker, now)
-        rm = 3 if medium is None else _tier_bit(medium)
+        return self._drop(slot, engine_hashes, 3 if medium is None else _tier_bit(medium))
+
+    def _drop(self, slot: int, engine_hashes: Sequence[Hashable], rm: int) -> int:
+        """``removed`` of the tiers in ``rm`` (bit 1: GPU, bit 2: any other)."""
         e2k = self._e2k[slot]
         refs = self._refs[slot]
         even = 1 << (2 * slot)

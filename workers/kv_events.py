@@ -24,7 +24,7 @@ import struct
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from workers.kv_wire import KVEvent, KVEventDecodeError, count_skipped, decode_batch
+from workers.kv_wire import KVEvent, KVEventDecodeError, count_skipped, decode_batch_steps
 
 __all__ = [
     "KVEventSink",
@@ -49,7 +49,11 @@ log = logging.getLogger("kvgate.kv_events")
 class KVEventSink(Protocol):
     """What a subscriber drives. Called on the event loop for every batch, so it must not
     block; ``reset`` reasons: "restart", "gap", "cleared", "disconnect", "health" (or whatever
-    a caller passed to ``resync``)."""
+    a caller passed to ``resync``).
+
+    A sink may also have ``apply_steps(worker, events) -> Iterator[None]``, ``apply`` with a
+    pause at each ``yield``: it is then used instead, and the loop gets a turn at every pause
+    (one batch can carry hundreds of thousands of blocks)."""
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None: ...
 
@@ -76,7 +80,13 @@ class KVEventStats:
 
 _SEQ = struct.Struct(">q")
 _END_SEQ = -1
-_INBOX_MAX = 50_000  # stream batches held while a replay runs; beyond it ZMQ's HWM takes over
+# Stream batches held while a replay runs or the sink catches up; beyond either bound the reader
+# stops and the publisher's own buffer (vLLM's PUB HWM, 100,000 batches) holds the rest. Bounded
+# in bytes too: a publisher whose batches cost more to apply than to send must not pile up
+# gigabytes here (the count alone allowed 50,000 x 4 MiB). (Setting to expose:
+# kv_events_inbox_max_bytes.)
+_INBOX_MAX = 50_000
+_INBOX_MAX_BYTES = 64 << 20
 _RING = 4096  # how far back a repeated sequence can still be recognised as a duplicate
 _WARN_EVERY_S = 10.0
 # Work on the event loop is done in slices of about this long, then the loop gets a turn: a
@@ -89,8 +99,20 @@ _SLICE_S = 0.005
 # (Setting to expose: kv_events_max_batch_bytes.)
 _MAX_BATCH_BYTES = 4 << 20
 # ZMQ's own limit (MAXMSGSIZE) on both sockets, for memory: a bigger message drops the connection
-# before it is buffered whole; the reconnect and the sequence check recover from it.
-_MAX_MSG_BYTES = 64 << 20
+# before it is buffered whole, and the sequence check recovers from what it lost. Just over the
+# batch limit: a message that will not be decoded is not worth receiving.
+_MAX_MSG_BYTES = _MAX_BATCH_BYTES + (64 << 10)
+# ZMQ redials a connection that failed, never one it dropped for breaking the protocol, and an
+# oversized message is such a break: the subscription would stay dead for good. So a connection
+# that has not come back this long after a disconnect is dialled anew (at most this often).
+_REDIAL_S = 5.0
+# Messages ZMQ queues for us before we read them (RCVHWM): each can be _MAX_MSG_BYTES, so this
+# bounds the socket's buffer at ~130 MiB. Bursts are not lost to it: past it ZMQ stops reading
+# the connection and the publisher buffers (vLLM's PUB keeps 100,000 batches per subscriber).
+_RCVHWM = 32
+# The same for a replay answer, which vLLM's ROUTER sends in one go: past its own queue for us it
+# drops replies, a hole the sequence check turns into a reset, so the reader keeps up meanwhile.
+_REPLAY_RCVHWM = 32
 # A replay answer is bounded in time as a whole, not only per reply (``replay_timeout_s``): a
 # publisher that keeps answering and never sends the end marker must not hold the worker's
 # intake (the stream waits in the inbox meanwhile). (Setting to expose:
@@ -163,9 +185,11 @@ class KVEventSubscriber:
         self._mon: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: deque[tuple[int, bytes]] = deque()
+        self._inbox_bytes = 0  # payload bytes in _inbox
         self._control: deque[tuple[str, str]] = deque()
         self._wake: asyncio.Event | None = None
         self._room: asyncio.Event | None = None
+        self._redial: asyncio.TimerHandle | None = None
         # Sequence state (processor only). _ring holds payload digests of the last _RING
         # applied sequences, from _ring_from on: a repeated seq with the same bytes is a
         # duplicate, with other bytes a new publisher.
@@ -201,7 +225,7 @@ class KVEventSubscriber:
         mon: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB HWM: bursts must not be dropped
+            sub.setsockopt(zmq.RCVHWM, _RCVHWM)
             sub.setsockopt(zmq.RECONNECT_IVL, 100)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)  # back off from a dead host
             # Heartbeats notice a publisher host that vanished without closing the connection.
@@ -248,9 +272,13 @@ class KVEventSubscriber:
                 if pending:
                     self._warn("stop", "%d task(s) still running after cancel", len(pending))
         finally:
+            if self._redial is not None:
+                self._redial.cancel()
+                self._redial = None
             sub, mon, self._sub, self._mon = self._sub, self._mon, None, None
             self._close_sockets(sub, mon)
             self._inbox.clear()
+            self._inbox_bytes = 0
             self._control.clear()
             self.stats.connected = False
             if self._last is not None:
@@ -306,9 +334,11 @@ class KVEventSubscriber:
                 self._warn("frames", "not a [topic, seq, payload] message (%d frames)", len(frames))
                 continue
             self.stats.last_event_monotonic = time.monotonic()
-            self._inbox.append((seq, frames[2]))
+            payload = frames[2]
+            self._inbox.append((seq, payload))
+            self._inbox_bytes += len(payload)
             self._wake_up()
-            if len(self._inbox) >= _INBOX_MAX:
+            if len(self._inbox) >= _INBOX_MAX or self._inbox_bytes >= _INBOX_MAX_BYTES:
                 self._room.clear()
                 await self._room.wait()
 
@@ -330,9 +360,15 @@ class KVEventSubscriber:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.stats.connected = True
                 self._control.append(("connected", ""))
+                if self._redial is not None:
+                    self._redial.cancel()
+                    self._redial = None
             elif event == zmq.EVENT_DISCONNECTED:
                 self.stats.connected = False
                 self._control.append(("disconnected", ""))
+                if self._redial is None:
+                    loop = asyncio.get_running_loop()
+                    self._redial = loop.call_later(_REDIAL_S, self._dial_again)
             elif event == zmq.EVENT_MONITOR_STOPPED:
                 return
             self._wake_up()
@@ -365,7 +401,12 @@ class KVEventSubscriber:
                         await self._on_control(kind, arg)
                     else:
                         seq, payload = inbox.popleft()
-                        if not room.is_set() and len(inbox) < _INBOX_MAX // 2:
+                        self._inbox_bytes -= len(payload)
+                        if (
+                            not room.is_set()
+                            and len(inbox) < _INBOX_MAX // 2
+                            and self._inbox_bytes < _INBOX_MAX_BYTES // 2
+                        ):
                             room.set()
                         await self._on_message(seq, payload)
                 except asyncio.CancelledError:
@@ -375,6 +416,21 @@ class KVEventSubscriber:
                 if time.perf_counter() >= pause_at:  # a long backlog: let the loop breathe
                     await asyncio.sleep(0)
                     pause_at = time.perf_counter() + _SLICE_S
+
+    def _dial_again(self) -> None:
+        """No connection since a disconnect: drop the endpoint's dead session, if ZMQ kept one,
+        and connect anew (a publisher that is down is then retried by ZMQ as before)."""
+        self._redial = None
+        sub = self._sub
+        if sub is None or sub.closed or self.stats.connected:
+            return
+        log.info("kv events %s: no connection since a disconnect: dialling again", self.worker)
+        with contextlib.suppress(zmq.ZMQError):
+            sub.disconnect(self.endpoint)
+        try:
+            sub.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            self._warn("redial", "cannot connect to %r again: %s", self.endpoint, e)
 
     # ----------------------------------------------------------------- processing
 
@@ -410,7 +466,7 @@ class KVEventSubscriber:
             await self._reconnect_sync()
         self._verify = False  # this batch tells where the sequence is (see _on_control)
         digest = hash(payload)
-        action = self._ingest(seq, payload, digest)
+        action = await self._ingest(seq, payload, digest)
         if action == "gap":
             assert self._last is not None
             self.stats.gaps += 1
@@ -420,7 +476,7 @@ class KVEventSubscriber:
                 self._reset("gap")
             else:
                 await self._gap_sync(start)
-            self._ingest_final(seq, payload, digest)
+            await self._ingest_final(seq, payload, digest)
         elif action == "restart":
             log.info(
                 "kv events %s: seq %d after %s: the publisher restarted",
@@ -431,11 +487,13 @@ class KVEventSubscriber:
             self._reset("restart")
             if self.replay_endpoint is not None:
                 await self._full_sync()
-            self._ingest_final(seq, payload, digest)
+            await self._ingest_final(seq, payload, digest)
         if self.stats.connected:
             self._set_live(True)
 
-    def _ingest(self, seq: int, payload: bytes, digest: int) -> Literal["ok", "gap", "restart"]:
+    async def _ingest(
+        self, seq: int, payload: bytes, digest: int
+    ) -> Literal["ok", "gap", "restart"]:
         last = self._last
         if last is not None:
             if seq <= last:
@@ -445,12 +503,14 @@ class KVEventSubscriber:
                 return "restart"
             if seq > last + 1:
                 return "gap"
-        self._apply(seq, payload, digest)
+        steps = self._apply(seq, payload, digest)
+        if steps is not None:
+            await self._run_steps(seq, steps)
         return "ok"
 
-    def _ingest_final(self, seq: int, payload: bytes, digest: int) -> None:
+    async def _ingest_final(self, seq: int, payload: bytes, digest: int) -> None:
         """Apply with no further replay: any hole left now is lost for good, so reset."""
-        action = self._ingest(seq, payload, digest)
+        action = await self._ingest(seq, payload, digest)
         if action != "ok":
             log.info(
                 "kv events %s: seq %d after %s cannot be filled in (%s): starting over",
@@ -460,15 +520,22 @@ class KVEventSubscriber:
                 action,
             )
             self._reset(action)
-            self._ingest(seq, payload, digest)
+            await self._ingest(seq, payload, digest)
 
-    def _apply(self, seq: int, payload: bytes, digest: int) -> None:
+    def _apply(self, seq: int, payload: bytes, digest: int) -> Iterator[None] | None:
+        """Take the batch's sequence and decode and apply it. With a sink that applies in steps
+        the work is returned, as steps, for the caller to run (``_run_steps``) before anything
+        else touches the sequence state or the sink; with any other sink it is done here, in
+        one piece. ``stats.last_seq`` moves once the batch is applied."""
+        self._last = seq
+        if self._ring_from is None:
+            self._ring_from = seq
+        self._ring[seq % _RING] = digest
         # An undecodable or oversized batch is counted and passed over: a lost batch can only
         # leave stale entries, which the next store or eviction of those blocks corrects.
-        events: list[KVEvent] | None = None
-        tally = self._tally
         if len(payload) > _MAX_BATCH_BYTES:
             self.stats.decode_errors += 1
+            self.stats.last_seq = seq
             self._warn(
                 "oversized",
                 "batch seq %d of %d bytes not decoded (limit %d)",
@@ -476,27 +543,52 @@ class KVEventSubscriber:
                 len(payload),
                 _MAX_BATCH_BYTES,
             )
-        else:
-            try:
-                _ts, events, _rank = decode_batch(payload, skipped=tally)
-            except KVEventDecodeError as e:
-                self.stats.decode_errors += 1
-                self._warn("decode", "undecodable batch seq %d: %s", seq, e)
-                tally.clear()
-        self._last = self.stats.last_seq = seq
-        if self._ring_from is None:
-            self._ring_from = seq
-        self._ring[seq % _RING] = digest
-        if events is None:
+            return None
+        steps = self._batch(seq, payload)
+        if getattr(self.sink, "apply_steps", None) is None:
+            for _ in steps:
+                pass
+            return None
+        return steps
+
+    def _batch(self, seq: int, payload: bytes) -> Iterator[None]:
+        """Decoding, then applying, one batch: a step at a time, since a 4 MiB batch can be a
+        million tiny events or 650,000 blocks, seconds of work either way. All or nothing up to
+        the sink: an undecodable batch, found however late, applies no event."""
+        tally = self._tally
+        try:
+            _ts, events, _rank = yield from decode_batch_steps(payload, skipped=tally)
+        except KVEventDecodeError as e:
+            self.stats.decode_errors += 1
+            self.stats.last_seq = seq
+            self._warn("decode", "undecodable batch seq %d: %s", seq, e)
+            tally.clear()
             return
         if tally:
             self._note_skipped(tally)
+        if events:
+            stepper = getattr(self.sink, "apply_steps", None)
+            try:
+                if stepper is None:
+                    self.sink.apply(self.worker, events)
+                else:
+                    yield from stepper(self.worker, events)
+            except Exception:
+                log.exception("kv events %s: sink failed on seq %d", self.worker, seq)
         self.stats.batches += 1
         self.stats.events += len(events)
-        if not events:
-            return
+        self.stats.last_seq = seq
+
+    async def _run_steps(self, seq: int, steps: Iterator[None]) -> None:
+        """A batch's steps with the loop's turn between them: a batch of 650,000 one-token
+        blocks held the loop for ~2 s in one piece, 40,000 small events ~0.6 s. Only this task
+        touches the sequence state and the sink, so nothing else sees or changes them half-way
+        (the index, read meanwhile by routing, shows part of the batch)."""
         try:
-            self.sink.apply(self.worker, events)
+            for _ in steps:
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
         except Exception:
             log.exception("kv events %s: sink failed on seq %d", self.worker, seq)
 
@@ -557,7 +649,7 @@ class KVEventSubscriber:
         pause_at = time.perf_counter() + _SLICE_S
         for seq, payload in batches:
             if seq > after:
-                self._ingest_final(seq, payload, hash(payload))
+                await self._ingest_final(seq, payload, hash(payload))
             if time.perf_counter() >= pause_at:
                 await asyncio.sleep(0)
                 pause_at = time.perf_counter() + _SLICE_S
@@ -645,6 +737,7 @@ class KVEventSubscriber:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG_BYTES)
+            sock.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
             sock.connect(self.replay_endpoint)
             # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that lands when
             # the inner future is done, which is nearly always mid-transfer (gh-86296).

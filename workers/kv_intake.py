@@ -17,15 +17,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from scoring.precise import PreciseIndex
 from scoring.prefix import seed_for
 from workers.kv_events import KVEventStats, KVEventSubscriber
-from workers.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from workers.kv_wire import (
+    UNKEYABLE_LORA_NAME,
+    UNKEYABLE_SALT,
+    UNKEYABLE_SALT_UNKNOWN,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
-__all__ = ["SKIP_REASONS", "KVEndpoint", "KVEventFleet", "PreciseSink"]
+__all__ = ["SKIP_REASONS", "SKIP_REASONS_RARE", "KVEndpoint", "KVEventFleet", "PreciseSink"]
 
 log = logging.getLogger("kvgate.kv_events")
 
@@ -45,6 +53,28 @@ SKIP_REASONS: tuple[str, ...] = (
     SKIP_UNKNOWN_MODEL,
     SKIP_UNKNOWN_BLOCK_SIZE,
 )
+# Reasons a healthy, current vLLM never gives: exported once they happen, not as zeros from the
+# start, so that every worker does not carry a series per reason that never moves.
+SKIP_BAD_GROUP = "bad_group"  # a group_idx out of range, or more groups than an engine has
+SKIP_SALT_UNKNOWN = UNKEYABLE_SALT_UNKNOWN  # vLLM 0.11: a first block whose salt is not sent
+SKIP_SALT_TOO_LONG = UNKEYABLE_SALT  # longer than any salt vLLM accepts
+SKIP_LORA_NAME_TOO_LONG = UNKEYABLE_LORA_NAME
+SKIP_REASONS_RARE: tuple[str, ...] = (
+    SKIP_BAD_GROUP,
+    SKIP_SALT_UNKNOWN,
+    SKIP_SALT_TOO_LONG,
+    SKIP_LORA_NAME_TOO_LONG,
+)
+# vLLM has a KV-cache group per attention kind and layer pattern: a handful, never dozens. A
+# group_idx past _MAX_GROUP_IDX, or a worker naming more than _MAX_GROUPS full-attention groups, is
+# not an engine's layout; and every group learned rebuilds the worker's set, so an unbounded set
+# made a batch of stores with distinct groups quadratic (40,000 of them held the loop for 44 s).
+_MAX_GROUP_IDX = 63
+_MAX_GROUPS = 16
+# A batch is applied in steps of about this many blocks (events count one block at least), the
+# event loop getting a turn in between (``PreciseSink.apply_steps``): a 4 MiB batch can carry
+# 650,000 blocks of one token, ~1.5 s of keying and indexing in one piece.
+APPLY_STEP_BLOCKS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +90,9 @@ class PreciseSink:
     """Applies a worker's decoded events to the precise index.
 
     ``model_of(worker)`` names the base model the worker serves (the seed of unsalted, non-LoRA
-    chains); ``block_size_of(worker)`` is the fallback when an event carries no block size.
+    chains); ``block_size_of(worker)`` is the fallback when an event carries no block size;
+    ``capacity_of(worker)``, the KV blocks it reports (vLLM's num_gpu_blocks, 0 when unknown),
+    bounds what its events may claim (``PreciseIndex.set_capacity``).
     """
 
     def __init__(
@@ -69,25 +101,51 @@ class PreciseSink:
         model_of: Callable[[str], str | None],
         block_size_of: Callable[[str], int] = lambda _w: 0,
         clock: Callable[[], float] = time.monotonic,
+        capacity_of: Callable[[str], int | None] = lambda _w: 0,
     ) -> None:
         self.index = index
         self.model_of = model_of
         self.block_size_of = block_size_of
+        self.capacity_of = capacity_of
         self.clock = clock
         self.resets: Counter[tuple[str, str]] = Counter()  # (worker, reason)
-        # (worker, one of SKIP_REASONS): stores that could not be indexed. Exported, because a
-        # worker whose every store is skipped looks, from routing alone, like a cold cache.
+        # (worker, one of SKIP_REASONS or SKIP_REASONS_RARE): stores that could not be indexed.
+        # Exported, because a worker whose every store is skipped looks, from routing alone,
+        # like a cold cache.
         self.skips: Counter[tuple[str, str]] = Counter()
         # worker -> the KV-cache groups its indexed stores came from (none yet: _PLAIN_GROUPS)
         self._groups: dict[str, frozenset[int]] = {}
+        # Workers whose events do not say which salt a chain starts with (vLLM 0.11): nothing
+        # they start can be keyed, so their precise state is empty and must not be trusted over
+        # the gateway's own guess (`set_live`). _want_live: what their subscriber last said.
+        self._saltless: set[str] = set()
+        self._want_live: dict[str, bool] = {}
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
+        for _ in self.apply_steps(worker, events):
+            pass
+
+    def apply_steps(self, worker: str, events: Sequence[KVEvent]) -> Iterator[None]:
+        """``apply``, pausing (a ``yield``) after every ``APPLY_STEP_BLOCKS`` blocks or so, for a
+        caller on the event loop to let others run: the subscriber (``workers.kv_events``) gives
+        the loop a turn at each pause. The index may be read between steps: it then shows part
+        of the batch, which is what it would show had the batch come in several."""
         idx = self.index
         now = self.clock()
         idx.touch(worker, now)
+        cap = self.capacity_of(worker)
+        if cap:
+            idx.set_capacity(worker, cap)
         groups = self._groups.get(worker, _PLAIN_GROUPS)
+        step = APPLY_STEP_BLOCKS
+        done = 0  # blocks (or events) since the last pause
         for ev in events:
+            if done >= step:
+                yield
+                done = 0
             if isinstance(ev, BlockStored):
+                n = len(ev.engine_hashes)
+                done += n or 1
                 if not ev.block_size and not ev.token_ids:
                     # vLLM's offload placeholder (OffloadingConnector with its default
                     # self_describing_kv_events off): a block the worker stored on GPU now also
@@ -95,7 +153,11 @@ class PreciseSink:
                     # indexed, so it needs no model or block size; and it names no cache kind, so
                     # its group decides, as for a removal (the same hash is in every group).
                     if ev.group_idx in groups:
-                        idx.stored(worker, ev.engine_hashes, None, (), 0, 0, ev.medium, now)
+                        hashes = ev.engine_hashes
+                        for i in range(0, n, step):
+                            if i:
+                                yield
+                            idx.stored(worker, hashes[i : i + step], None, (), 0, 0, ev.medium, now)
                     continue
                 if not ev.is_full_attention:
                     # hybrid models: only full attention is prefix KV
@@ -104,8 +166,12 @@ class PreciseSink:
                 # The default is replaced by the first store even of group 0, so that a later
                 # full-attention group adds to 0 rather than taking its place.
                 if groups is _PLAIN_GROUPS or ev.group_idx not in groups:
-                    groups = self._learn_group(worker, ev.group_idx)
-                if ev.lora_id is not None and ev.lora_name is None:
+                    learned = self._learn_group(worker, ev.group_idx)
+                    if learned is None:
+                        self.skips[(worker, SKIP_BAD_GROUP)] += 1
+                        continue
+                    groups = learned
+                if ev.lora_id is not None and ev.lora_name is None and ev.unkeyable is None:
                     # vLLM 0.11 names the adapter by id only, and the id cannot be mapped to
                     # the name requests are seeded with: not the base model's blocks either.
                     self.skips[(worker, SKIP_LORA_ID_ONLY)] += 1
@@ -116,29 +182,51 @@ class PreciseSink:
                     why = SKIP_UNKNOWN_MODEL if model is None else SKIP_UNKNOWN_BLOCK_SIZE
                     self.skips[(worker, why)] += 1
                     continue
-                idx.stored(
-                    worker,
-                    ev.engine_hashes,
-                    ev.parent,
-                    ev.token_ids,
-                    bs,
-                    seed_for(model, "", ev.cache_salt or ""),
-                    ev.medium,
-                    now,
-                )
+                seed: int | None
+                if ev.unkeyable is None:
+                    seed = seed_for(model, "", ev.cache_salt or "")
+                    if ev.parent is None and worker in self._saltless:
+                        self._salt_known(worker, now)
+                else:
+                    # Blocks this worker already holds keep their keys (a tier added, a run
+                    # chained from them); the rest cannot be keyed by anyone's request.
+                    seed = None
+                    if ev.unkeyable == UNKEYABLE_SALT_UNKNOWN:
+                        self._salt_unknown(worker, now)
+                kept = 0
+                parent = ev.parent
+                hashes, tokens = ev.engine_hashes, ev.token_ids
+                for i in range(0, n, step):
+                    if i:
+                        yield
+                        parent = hashes[i - 1]
+                    span = tokens[i * bs : (i + step) * bs] if n > step else tokens
+                    kept += idx.stored(
+                        worker, hashes[i : i + step], parent, span, bs, seed, ev.medium, now
+                    )
+                if ev.unkeyable is not None and kept < n:
+                    self.skips[(worker, ev.unkeyable)] += 1
             elif isinstance(ev, BlockRemoved):
                 # Only the groups indexed: vLLM reports an eviction per group, with the same
                 # engine hash in every group that held the block.
+                done += len(ev.engine_hashes) or 1
                 if ev.group_idx in groups:
                     idx.removed(worker, ev.engine_hashes, ev.medium, now)
             elif isinstance(ev, AllBlocksCleared):
+                done += 1
                 self.resets[(worker, "cleared")] += 1
                 idx.clear(worker)
 
     def skip_counts(self, worker: str) -> dict[str, int]:
         """The worker's skipped stores by reason, every reason present (0 until one happens),
-        so its series exist from the first scrape and the first skip shows as an increase."""
-        return {why: self.skips[(worker, why)] for why in SKIP_REASONS}
+        so its series exist from the first scrape and the first skip shows as an increase; the
+        rare reasons once they happened."""
+        out = {why: self.skips[(worker, why)] for why in SKIP_REASONS}
+        for why in SKIP_REASONS_RARE:
+            n = self.skips.get((worker, why), 0)
+            if n:
+                out[why] = n
+        return out
 
     @property
     def skipped(self) -> Counter[str]:
@@ -148,14 +236,32 @@ class PreciseSink:
             out[worker] += n
         return out
 
-    def _learn_group(self, worker: str, group: int) -> frozenset[int]:
+    def _learn_group(self, worker: str, group: int) -> frozenset[int] | None:
         """Evictions are reported per KV-cache group, and in a hybrid model the full-attention
         group need not be group 0; only a store tells which groups hold prefix KV (vLLM puts
-        the spec kind on stores, never on removals)."""
+        the spec kind on stores, never on removals). None: not a group an engine has."""
         known = self._groups.get(worker)
+        if not 0 <= group <= _MAX_GROUP_IDX or (known is not None and len(known) >= _MAX_GROUPS):
+            return None
         groups = frozenset((group,)) if known is None else known | {group}
         self._groups[worker] = groups
         return groups
+
+    def _salt_unknown(self, worker: str, now: float) -> None:
+        if worker not in self._saltless:
+            self._saltless.add(worker)
+            log.warning(
+                "kv events %s: stores carry no extra_keys (vLLM 0.11?): their salt is unknown, "
+                "so the worker's chains are not indexed and its KV events not trusted",
+                worker,
+            )
+            self.index.set_live(worker, False, now)
+
+    def _salt_known(self, worker: str, now: float) -> None:
+        """A chain's first blocks came with their extra keys: the worker (a newer engine after a
+        restart, say) can be keyed again."""
+        self._saltless.discard(worker)
+        self.index.set_live(worker, self._want_live.get(worker, False), now)
 
     def forget(self, worker: str) -> None:
         """The worker's groups describe one engine: a restart (or another server behind the
@@ -167,6 +273,8 @@ class PreciseSink:
         per-worker series, read from its subscriber, go too), so names that come and go cannot
         pile up."""
         self.forget(worker)
+        self._saltless.discard(worker)
+        self._want_live.pop(worker, None)
         for counts in (self.skips, self.resets):
             for key in [k for k in counts if k[0] == worker]:
                 del counts[key]
@@ -177,7 +285,8 @@ class PreciseSink:
         self.forget(worker)
 
     def set_live(self, worker: str, live: bool) -> None:
-        self.index.set_live(worker, live, self.clock())
+        self._want_live[worker] = live
+        self.index.set_live(worker, live and worker not in self._saltless, self.clock())
 
 
 class KVEventFleet:

@@ -13,16 +13,21 @@ tag first (0.11).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import msgpack
 
 __all__ = [
     "FULL_ATTENTION",
+    "MAX_LORA_NAME_CHARS",
+    "MAX_SALT_CHARS",
     "SKIP_TAGS_MAX",
     "SKIP_TAG_OTHER",
+    "UNKEYABLE_LORA_NAME",
+    "UNKEYABLE_SALT",
+    "UNKEYABLE_SALT_UNKNOWN",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -31,6 +36,7 @@ __all__ = [
     "KVEventDecodeError",
     "count_skipped",
     "decode_batch",
+    "decode_batch_steps",
     "encode_batch",
 ]
 
@@ -47,6 +53,18 @@ Layout: TypeAlias = Literal["0.32", "0.11"]
 SKIP_TAGS_MAX = 32
 SKIP_TAG_OTHER = "<other>"
 _SKIP_TAG_LEN = 64
+# A chain's root seed is built from the LoRA name and the salt, and seeds are memoised
+# (``scoring.prefix.seed_for``): strings no real request can carry must not reach it, or a publisher
+# could park megabytes in that cache with every store. vLLM refuses a ``cache_salt`` over 128
+# characters (so does the gateway, for its clients); adapter names are short identifiers.
+MAX_SALT_CHARS = 128
+MAX_LORA_NAME_CHARS = 256
+# Why a first block's root seed cannot be rebuilt from its event (``BlockStored.unkeyable``).
+# 0.11 arrays have no extra_keys, so a salted request's blocks arrive looking unsalted: keying them
+# under the shared seed would credit an isolated tenant's prompt to every unsalted request.
+UNKEYABLE_SALT_UNKNOWN = "salt_unknown"
+UNKEYABLE_SALT = "salt_too_long"
+UNKEYABLE_LORA_NAME = "lora_name_too_long"
 
 
 # --------------------------------------------------------------------------- events
@@ -73,6 +91,10 @@ class BlockStored:
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
     lora_id: int | None = None
+    # Set on a chain's first blocks when the event cannot say what they are seeded with (one of
+    # the UNKEYABLE_* reasons; an over-long salt or name is dropped, not carried). Not compared:
+    # it records what the wire left unsaid, not what the engine stored.
+    unkeyable: str | None = field(default=None, compare=False)
 
     @property
     def is_full_attention(self) -> bool:
@@ -166,6 +188,12 @@ def _soft_int(v: object) -> int | None:
     return v if _is_int(v) else None  # type: ignore[return-value]
 
 
+# What a 0.11 array, which has no extra_keys field, passes for it. Unlike None: a release that has
+# the field sends None (or, msgspec's omit_defaults, leaves it out) only when no block has any
+# extra key, so never for a salted chain.
+_ABSENT: Any = object()
+
+
 def _salt(extra_keys: object, parent: EngineHash | None, lora_name: str | None) -> str | None:
     """vLLM hashes ``cache_salt`` into the first block of a request only, after the LoRA name
     (then multimodal ids), so it is the last string of that block's extra keys."""
@@ -194,6 +222,16 @@ def stored_event(
 ) -> BlockStored:
     p = _opt_hash(parent)
     name = _soft_str(lora_name)
+    unkeyable = None
+    if name is not None and len(name) > MAX_LORA_NAME_CHARS:
+        name, unkeyable = None, UNKEYABLE_LORA_NAME
+    salt = None
+    if extra_keys is _ABSENT:
+        unkeyable = unkeyable or UNKEYABLE_SALT_UNKNOWN
+    else:
+        salt = _salt(extra_keys, p, name)
+        if salt is not None and len(salt) > MAX_SALT_CHARS:
+            salt, unkeyable = None, unkeyable or UNKEYABLE_SALT
     return BlockStored(
         engine_hashes=_hashes(hashes),
         parent=p,
@@ -201,10 +239,12 @@ def stored_event(
         block_size=_int(block_size, "block_size"),
         lora_name=name,
         medium=_soft_str(medium),
-        cache_salt=_salt(extra_keys, p, name),
+        cache_salt=salt,
         group_idx=_group(group_idx),
         kv_cache_spec_kind=_soft_str(kind),
         lora_id=_soft_int(lora_id),
+        # Only a chain's first blocks are seeded by name and salt; later ones by their parent.
+        unkeyable=unkeyable if p is None else None,
     )
 
 
@@ -246,8 +286,9 @@ def _stored_from_array(a: list[Any]) -> BlockStored:
     if len(a) < 5:
         raise _fail(f"BlockStored array of {len(a)} fields, need at least 5")
     group = a[9] if len(a) > 9 and _is_int(a[9]) else None
+    extra_keys = a[8] if len(a) > 8 else _ABSENT
     return stored_event(
-        a[1], a[2], a[3], a[4], _at(a, 5), _at(a, 6), _at(a, 7), _at(a, 8), group, _at(a, 10)
+        a[1], a[2], a[3], a[4], _at(a, 5), _at(a, 6), _at(a, 7), extra_keys, group, _at(a, 10)
     )
 
 
@@ -283,6 +324,14 @@ def count_skipped(table: Counter[str], tag: str, n: int = 1) -> None:
     table[tag] += n
 
 
+# A batch is decoded in steps of about this many events or payload bytes (the caller may let other
+# work run at each): a 4 MiB batch can hold a million tiny events, ~3 s of decoding in one piece.
+DECODE_STEP_EVENTS = 512
+DECODE_STEP_BYTES = 64 << 10
+# msgpack's array headers: fixarray, array 16, array 32.
+_ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+
+
 def decode_batch(
     payload: bytes | bytearray | memoryview, *, skipped: Counter[str] | None = None
 ) -> tuple[float, list[KVEvent], int | None]:
@@ -292,24 +341,102 @@ def decode_batch(
     given, bounded as ``count_skipped`` does) so a newer vLLM that adds one does not blind the
     index to the types it does know.
     """
+    steps = decode_batch_steps(payload, skipped=skipped)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def decode_batch_steps(
+    payload: bytes | bytearray | memoryview, *, skipped: Counter[str] | None = None
+) -> Generator[None, None, tuple[float, list[KVEvent], int | None]]:
+    """``decode_batch`` with a pause (a ``yield``) every ``DECODE_STEP_EVENTS`` events or
+    ``DECODE_STEP_BYTES`` bytes; its result is the generator's return value. The usual
+    ``[ts, events, rank]`` array is read an event at a time, so neither unpacking nor checking
+    a big batch is one piece; it is still all or nothing (an error after any number of pauses
+    means no events)."""
+    data = bytes(payload)
+    if not data or data[0] not in _ARRAY_HEADS:  # a map-encoded batch struct, or no batch
+        ts, events, rank = _batch_fields(_unpack_all(data))
+        out, _ = yield from _decode_events(events, skipped, None)
+        return ts, out, rank
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data))
+    u.feed(data)
+    n = _stream(u.read_array_header)
+    if n < 2:
+        raise _fail("not a [ts, events, rank] batch: list")
+    ts = _stream(u.unpack)
+    _check_ts(ts)
+    if u.tell() >= len(data) or data[u.tell()] not in _ARRAY_HEADS:
+        raise _fail(f"events: expected a list, got {type(_stream(u.unpack)).__name__}")
+    count = _stream(u.read_array_header)
+    out, _ = yield from _decode_events((_stream(u.unpack) for _ in range(count)), skipped, u)
+    rank = _stream(u.unpack) if n > 2 else None
+    for _ in range(n - 3):
+        _stream(u.skip)
+    if u.tell() != len(data):
+        raise _fail("not msgpack: extra data after the batch")
+    _check_rank(rank)
+    return float(ts), out, rank
+
+
+def _stream(read: Callable[[], Any]) -> Any:
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        return read()
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise _fail(f"not msgpack: {e!r}") from e
+
+
+def _unpack_all(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise _fail(f"not msgpack: {e}") from e
+
+
+def _check_ts(ts: object) -> None:
+    if not (isinstance(ts, float) or _is_int(ts)):
+        raise _fail(f"ts: expected a number, got {type(ts).__name__}")
+
+
+def _check_rank(rank: object) -> None:
+    if rank is not None and not _is_int(rank):
+        raise _fail(f"data_parallel_rank: expected an int, got {type(rank).__name__}")
+
+
+def _batch_fields(raw: object) -> tuple[float, list[Any], int | None]:
     if isinstance(raw, dict):  # a server that encodes the batch struct as a map
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
         ts, events, rank = raw[0], raw[1], _at(raw, 2)
     else:
         raise _fail(f"not a [ts, events, rank] batch: {type(raw).__name__}")
-    if not (isinstance(ts, float) or _is_int(ts)):
-        raise _fail(f"ts: expected a number, got {type(ts).__name__}")
+    _check_ts(ts)
     if not isinstance(events, list):
         raise _fail(f"events: expected a list, got {type(events).__name__}")
-    if rank is not None and not _is_int(rank):
-        raise _fail(f"data_parallel_rank: expected an int, got {type(rank).__name__}")
+    _check_rank(rank)
+    return float(ts), events, rank
+
+
+def _decode_events(
+    events: Iterable[Any], skipped: Counter[str] | None, u: msgpack.Unpacker | None
+) -> Generator[None, None, tuple[list[KVEvent], None]]:
+    """The known events of ``events``, pausing every DECODE_STEP_EVENTS events or (reading from
+    ``u``) DECODE_STEP_BYTES bytes. Unknown types are counted into ``skipped`` only once the
+    whole batch decoded, so a batch that fails counts nothing."""
     out: list[KVEvent] = []
+    unknown: Counter[str] = Counter()
+    pause_at = DECODE_STEP_BYTES
     for i, ev in enumerate(events):
+        if i and not i % DECODE_STEP_EVENTS:
+            yield
+            if u is not None:
+                pause_at = u.tell() + DECODE_STEP_BYTES
+        elif u is not None and u.tell() >= pause_at:
+            yield
+            pause_at = u.tell() + DECODE_STEP_BYTES
         if isinstance(ev, dict):
             tag, table = ev.get("type"), _FROM_MAP
         elif isinstance(ev, list) and ev:
@@ -321,13 +448,16 @@ def decode_batch(
         decode = table.get(tag)
         if decode is None:
             if skipped is not None:
-                count_skipped(skipped, tag)
+                count_skipped(unknown, tag)
             continue
         try:
             out.append(decode(ev))
         except KVEventDecodeError as e:
             raise _fail(f"event {i} ({tag}): {e}") from None
-    return float(ts), out, rank
+    if skipped is not None:
+        for tag, n in unknown.items():
+            count_skipped(skipped, tag, n)
+    return out, None
 
 
 # --------------------------------------------------------------------------- encoding

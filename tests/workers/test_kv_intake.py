@@ -77,10 +77,13 @@ def test_eviction_in_any_of_several_full_attention_groups_removes_the_blocks() -
 
 
 def test_removals_without_group_info_apply_to_a_plain_decoder() -> None:
-    # vLLM 0.11 arrays carry neither a group nor a spec kind, on stores or removals.
+    # vLLM 0.11 arrays carry neither a group nor a spec kind, on stores or removals. The store
+    # goes in as a map without group info: a 0.11 array store carries no salt either, so its
+    # root blocks are not keyed (tests/workers/test_kv_intake_bounds.py, tenant isolation).
     idx, sink = _sink()
-    events = [_stored(kind=None), BlockRemoved(HASHES[2:], "GPU")]
-    _ts, decoded, _rank = decode_batch(encode_batch(0.0, events, layout="0.11"))
+    sink.apply("w0", [_stored(kind=None)])
+    removed = encode_batch(0.0, [BlockRemoved(HASHES[2:], "GPU")], layout="0.11")
+    _ts, decoded, _rank = decode_batch(removed)
     sink.apply("w0", decoded)
     assert idx.size("w0") == 2 and _held(idx, "m") == 2
 
