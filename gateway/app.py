@@ -127,7 +127,12 @@ class Gateway:
         self.precise = precise_index(settings.routing.kv_events)
         self.routing_state = RoutingState(self.routing_options, self.precise)
         self.kv_fleet = KVEventFleet(
-            PreciseSink(self.precise, self._worker_model, self._worker_block_size)
+            PreciseSink(
+                self.precise,
+                self._worker_model,
+                self._worker_block_size,
+                capacity_of=self._worker_num_blocks,
+            )
         )
         self.metrics.registry.register(KVEventCollector(self.kv_fleet))
         self.metrics.registry.register(LogCollector())
@@ -516,6 +521,11 @@ class Gateway:
     def _worker_block_size(self, name: str) -> int:
         w = self.registry.workers.get(name)
         return (w.metrics.block_size or 0) if w is not None else 0
+
+    def _worker_num_blocks(self, name: str) -> int:
+        """The KV blocks a worker reports (vLLM's num_gpu_blocks): what its events may claim."""
+        w = self.registry.workers.get(name)
+        return (w.metrics.num_blocks or 0) if w is not None else 0
 
     def _on_reload_error(self, msg: str) -> None:
         self.metrics.config_reload_errors.inc()
