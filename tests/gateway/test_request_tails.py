@@ -29,6 +29,7 @@ import uvloop
 
 from gateway.config import Settings
 from tests.gateway.conftest import MODEL, RunningGateway, chat_completion, run_gateway, settings_for
+from tests.gateway.test_pipelining import _read_to_eof
 from tests.support.raw_worker import raw_worker
 
 KEY = "kvg-tails-test"
@@ -77,20 +78,6 @@ def _head(key: str | None, *framing: bytes) -> bytes:
 
 def _chunked(body: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(body), body)
-
-
-async def _read_to_eof(r: asyncio.StreamReader, timeout: float = WAIT_S) -> tuple[bytes, bool]:
-    """What the gateway sends until it closes (True) or ``timeout`` passes (False)."""
-    out = b""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    with contextlib.suppress(TimeoutError, ConnectionError):
-        while True:
-            chunk = await asyncio.wait_for(r.read(65536), max(0.0, end - loop.time()))
-            if not chunk:
-                return out, True
-            out += chunk
-    return out, False
 
 
 async def _read_response(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
