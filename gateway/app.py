@@ -88,7 +88,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
-_RID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Matched whole (`fullmatch`): `$` also matches before a trailing newline.
+_RID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
 # The load a record counts for requests still running on it (dispatched, prefill queued, KV on
 # its way): what a worker re-added at its address takes over from its retired record.
@@ -604,7 +605,7 @@ class Gateway:
         rid = next_request_id()
         hdrs = request_headers(request.scope)
         client_rid = hdrs.get("x-request-id") or None
-        if client_rid is not None and not _RID_OK.match(client_rid):
+        if client_rid is not None and not _RID_OK.fullmatch(client_rid):
             client_rid = None
         echo = echo_headers(rid, client_rid)
         # From the complete request head when the server says (gateway.server), so a loop busy

@@ -23,12 +23,17 @@ from gateway.config import WorkerSettings
 from gateway.core_settings import worker_spec
 from gateway.errors import APIError
 from gateway.tenancy import bearer_key
+from gateway.validate import read_body
 from workers.worker import Worker
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
 log = logging.getLogger("kvgate.gateway")
+
+
+# The most an admin request's body may hold: a worker's spec is a few hundred bytes.
+ADMIN_BODY_MAX = 64 * 1024
 
 
 class Endpoints:
@@ -112,8 +117,17 @@ class Endpoints:
         try:
             self._admin(request)
             if request.method == "POST":
+                # Bounded as a completion's body is: an admin key is no reason to buffer any
+                # size for any time (a stuck client, a script sending the wrong file).
+                settings = self.gw.settings
+                raw = await read_body(
+                    request,
+                    request.headers.get("content-length"),
+                    min(settings.server.max_body_bytes, ADMIN_BODY_MAX),
+                    settings.timeouts.client_body_s,
+                )
                 try:
-                    spec = WorkerSettings.model_validate(orjson.loads(await request.body()))
+                    spec = WorkerSettings.model_validate(orjson.loads(raw))
                 except (orjson.JSONDecodeError, ValueError) as e:
                     raise APIError(400, f"invalid worker: {e}", "invalid_request_error") from None
                 if spec.name in self.gw.registry.workers:

@@ -48,3 +48,22 @@ async def test_metrics_can_require_the_admin_key(sims) -> None:  # type: ignore[
             assert r.status_code == 200, header
     async with run_gateway(tenant_settings(fleet.urls)) as g, httpx.AsyncClient() as c:
         assert (await c.get(g.url + "/metrics")).status_code == 200  # off by default
+
+
+async def test_an_admin_body_is_bounded(sims) -> None:  # type: ignore[no-untyped-def]
+    # Review finding: POST /admin/workers read its body whole, any size, for any time.
+    fleet = sims(1)
+    base = tenant_settings(fleet.urls).model_dump()
+    base["admin"] = {"key_sha256": hashlib.sha256(ADMIN.encode()).hexdigest()}
+    s = type(tenant_settings(fleet.urls))(**base)
+    async with run_gateway(s) as g, httpx.AsyncClient() as c:
+        big = b'{"name": "w9", "url": "http://127.0.0.1:9", "x": "' + b"a" * 100_000 + b'"}'
+        r = await c.post(g.url + "/admin/workers", content=big, headers=auth(ADMIN))
+        assert r.status_code == 413 and r.json()["error"]["message"], r.text
+        assert "w9" not in g.gw.registry.workers
+
+
+def test_a_client_request_id_is_matched_whole() -> None:
+    from gateway.app import _RID_OK
+
+    assert _RID_OK.fullmatch("req-1.a:b_c") and not _RID_OK.fullmatch("req-1\n")
