@@ -447,6 +447,16 @@ class KVEventCollector(Collector):
         for (w, reason), n in sorted(sink.resets.items()):
             resets.add_metric([w, reason], float(n))
         yield resets
+        # Blocks dropped past a worker's claim bound (its num_gpu_blocks x slack): a worker that
+        # claims more than its cache can hold is broken or lying, and shows here.
+        overflow = CounterMetricFamily(
+            "kvgate_precise_index_overflow_blocks",
+            "Blocks dropped from the precise index past the worker's claim bound",
+            labels=["worker"],
+        )
+        for w, n in sorted(idx.overflow.items()):
+            overflow.add_metric([w], float(n))
+        yield overflow
         # Received but never indexed: without it a worker whose events are all ignored (a
         # hybrid model's other groups, vLLM 0.11 LoRA blocks) looks like one with a cold cache.
         skipped = CounterMetricFamily(

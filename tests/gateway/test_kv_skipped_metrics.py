@@ -154,3 +154,21 @@ def test_a_store_that_cannot_be_keyed_is_skipped_with_its_reason() -> None:
     sink.remove("w1")
     assert sink.skipped == {"w0": 1}
     assert sink.resets == {("w0", "gap"): 1}  # a removed worker's reset series go too
+
+
+def test_blocks_dropped_past_a_workers_claim_bound_are_exported() -> None:
+    from types import SimpleNamespace
+
+    from gateway.metrics import KVEventCollector
+    from tests.scoring.test_precise_capacity import _store
+
+    idx = PreciseIndex(max_worker_blocks=500)
+    idx.set_live("w0", True)
+    _store(idx, 400, 10_000)
+    _store(idx, 300, 20_000)
+    fleet = SimpleNamespace(
+        stats=dict, index=idx, sink=SimpleNamespace(resets={}, skip_counts=lambda _w: {})
+    )
+    families = {f.name: f for f in KVEventCollector(fleet).collect()}  # type: ignore[arg-type]
+    (sample,) = families["kvgate_precise_index_overflow_blocks"].samples
+    assert sample.labels == {"worker": "w0"} and sample.value == 200
