@@ -42,7 +42,7 @@ from gateway.core_settings import (
     worker_spec,
 )
 from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_tokens
-from gateway.errors import APIError, model_not_found, no_capacity
+from gateway.errors import APIError, bad_request, model_not_found, no_capacity
 from gateway.ids import echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
 from gateway.lifecycle import Lifecycle
@@ -671,6 +671,17 @@ class Gateway:
                 request_id=rid,
                 precise=self.kv_fleet.active,
             )
+            cap = tenant.cfg.max_input_tokens
+            if route.exact_tokens and cap is not None and route.prompt_tokens > cap:
+                # The tokenizer's count (token mode) where the estimate let it pass: text that
+                # tokenizes finer than the estimate's bytes per token (control characters, rare
+                # scripts) held up to ~4x the tokens it said. Refused before any worker sees it;
+                # the reservation goes back.
+                raise bad_request(
+                    f"This request's prompt is {route.prompt_tokens} tokens; the limit for your "
+                    f"key is {cap} input tokens.",
+                    "messages" if is_chat else "prompt",
+                )
             call = Call(
                 request_id=rid,
                 client_request_id=client_rid,

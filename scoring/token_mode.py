@@ -399,4 +399,5 @@ def with_key(route: RouteRequest, key: PromptKey) -> RouteRequest:
         dense_blocks=key.dense_blocks,
         tail_ends=key.tail_ends,
         block_chain=tuple(key.blocks),
+        exact_tokens=True,
     )

@@ -61,6 +61,8 @@ class RouteRequest:
     # Token mode only: one key per worker block (no tail), what a KV-event (precise) index is
     # keyed by; its first `dense_blocks` entries equal `chain`'s. Empty: no precise matching.
     block_chain: tuple[int, ...] = ()
+    # `prompt_tokens` was counted by the model's tokenizer (token mode), not estimated.
+    exact_tokens: bool = False
 
     def entries_for_blocks(self, blocks: int) -> int:
         """Chain entries wholly covered by the first ``blocks`` worker blocks (a precise match).
