@@ -536,6 +536,23 @@ class AdmissionController:
             for e in p.queue.drain(retry_after_s, now):
                 self._fail(p, e)
 
+    def fail_pool(self, pool: str, error: Callable[[], APIError]) -> int:
+        """Refuse every waiter of ``pool`` now with ``error()``: no worker is left to serve it
+        (the last one went unhealthy). A new request for it gets that 503 at once; a queued one
+        waited out its whole deadline instead, then read "no worker became free" with a
+        Retry-After of 1 s (review: 20 s for a model down since the first 0.3 s). Returns how
+        many were refused."""
+        p = self._pools.get(pool)
+        if p is None or not p.queue._size:
+            return 0
+        entries = p.queue.drain(0.0, self._clock())
+        for e in entries:
+            fut = e.payload[0]
+            if not fut.done():
+                fut.set_exception(error())
+            self.observer.refused(p.name, e.tier, "no_capacity", 503)
+        return len(entries)
+
     # -- stats -----------------------------------------------------------------------------------
     def depth_by_tier(self, pool: str | None = None) -> dict[int, int]:
         """Queued requests per tier (all pools unless one is named); tiers seen so far report 0

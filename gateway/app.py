@@ -558,6 +558,13 @@ class Gateway:
         self.metrics.export_health(w.name, w.health)
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
+        if down:  # its models' waiters may have no worker left: they get a new request's 503
+            for model in self.admission.pools():
+                if not self.registry.candidates(model):
+                    self.admission.fail_pool(
+                        model,
+                        lambda m=model: no_capacity(f"no healthy worker is serving model `{m}`"),
+                    )
 
     # -- the walk ----------------------------------------------------------------------------------
     async def _read_body(self, request: Request, tenant: Tenant, hdrs: dict[str, str]) -> bytes:
