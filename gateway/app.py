@@ -698,6 +698,8 @@ class Gateway:
                 stream=req.stream,
                 client_wants_usage=req.client_wants_usage,
                 client_wants_live_usage=req.client_wants_live_usage,
+                live_usage_upstream=req.stream
+                and (not open_gateway or req.client_wants_live_usage),
                 route=route,
                 t_start=t0,
                 pool_ok=canary_pool(settings.routing.splits, model, self._rng),
@@ -706,7 +708,10 @@ class Gateway:
                     ticket,
                     prompt_est,
                     tokens=request_tokens(prompt_est, data, max_out),
-                    choices=choices_per_prompt(data) * prompt_count(is_chat, data),
+                    # What a cut stream's live usage is multiplied by: tenants' alone.
+                    choices=choices_per_prompt(data) * prompt_count(is_chat, data)
+                    if not open_gateway
+                    else 1,
                     hidden_output=is_chat and data.get("include_reasoning") is False,
                 ),
             )

@@ -89,6 +89,7 @@ class Call:
     # client that reads slowly makes it lag), so counting events undercharged such cuts.
     live_usage: bytes = b""
     client_wants_live_usage: bool = False  # asked for `continuous_usage_stats`: not stripped
+    live_usage_upstream: bool = False  # the worker was asked for usage on every event
     outcome: str = ""  # ok | upstream_4xx | client_disconnect | upstream_broken | idle_timeout
     # Workers this request may use (a canary split), or None for any; ignored when none qualify.
     pool_ok: Callable[[Worker], bool] | None = None

@@ -116,6 +116,7 @@ class RelayResponse(Response):
         self._out: list[bytes] = []  # complete events not yet written to the client
         self._strip = not call.client_wants_usage
         self._strip_live = not call.client_wants_live_usage
+        self._live = call.live_usage_upstream  # content events carry usage
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
         self._head = b""  # the response head, held back to go out with the first events
@@ -559,7 +560,8 @@ class RelayResponse(Response):
 
     def _take_usage(self, out: bytes, strip: bool) -> bytes:
         """Find the usage chunk among complete events; parse it once; drop it if unrequested.
-        Keep the last usage a content event carries (continuous usage), strip those unasked.
+        Where the worker was asked for usage on every event (`Call.live_usage_upstream`), keep
+        the last one an event carried and strip those the client did not ask for.
 
         vLLM's usage chunk (``"choices":[]``) is the last event with a usage before [DONE], so
         it is found from the end, not by splitting every event of the read (a short stream's
@@ -569,22 +571,26 @@ class RelayResponse(Response):
         start = sep + 2 if sep >= 0 else 0
         end = out.find(b"\n\n", at)  # found: ``out`` holds complete events only
         ev = out[start:end] if end >= 0 else out[start:]
-        if ev.startswith(b"data: {") and b'"choices":[]' in ev:
+        final = ev.startswith(b"data: {") and b'"choices":[]' in ev
+        if final:
             # TypeError: a usage of the wrong shape ("prompt_tokens": [9]) must not break a
             # stream that is otherwise whole (the whole-response path suppresses it too).
             with contextlib.suppress(orjson.JSONDecodeError, TypeError, ValueError):
                 self._call.usage = Usage.from_json(orjson.loads(ev[6:]).get("usage"))
+        if not self._live:  # no usage on content events: the usage chunk alone
+            if final and strip:
+                return out[:start] + (out[end + 2 :] if end >= 0 else b"")
+            return out  # a content chunk carrying usage the client asked for: kept as is
+        if final:
             # Stripped, what follows it in this read ([DONE]) stays.
             after = out[end + 2 :] if end >= 0 else b""
             last = after if strip else out[start:]
             out = out[:start]
-            if not strip and _LIVE_MARK not in out:
-                return out + last
         else:
             last = b""
-        # Content events carrying usage (`continuous_usage_stats`, forced upstream): the last
-        # is what a cut stream is charged by; stripped for clients that did not ask. The mark
-        # cannot occur inside a JSON string (its quotes would be escaped there).
+        # Content events carrying usage (`continuous_usage_stats`): the last is what a cut
+        # stream is charged by; stripped for clients that did not ask. The mark cannot occur
+        # inside a JSON string (its quotes would be escaped there).
         i = out.rfind(_LIVE_MARK)
         if i >= 0:
             m = _LIVE_USAGE.match(out, i)
@@ -592,7 +598,7 @@ class RelayResponse(Response):
                 self._call.live_usage = m[1]
             if self._strip_live:
                 out = _LIVE_USAGE.sub(b"", out)
-        return out + last
+        return out + last if last else out
 
 
 def _too_big() -> str:

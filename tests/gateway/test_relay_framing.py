@@ -110,6 +110,7 @@ def bare_relay(wants_usage: bool = True) -> Any:
         events=0,
         usage=None,
         live_usage=b"",
+        live_usage_upstream=False,
     )
     return RelayResponse(None, call, None, None, (None, b""), {}, TimeoutSettings(), 0.0)  # type: ignore[arg-type]
 
@@ -298,6 +299,7 @@ FINAL_USAGE = (
 @pytest.mark.parametrize("wants", ["none", "final", "live"])
 def test_live_usage_is_kept_and_stripped_unless_asked(wants: str) -> None:
     r = bare_relay(wants_usage=wants != "none")
+    r._live = True  # the worker was asked for usage on every event
     r._strip_live = wants != "live"
     first, second = _live_event('a \\"usage\\":{', 1), _live_event("b", 2)
     r._feed(first[:50])
