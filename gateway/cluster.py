@@ -112,7 +112,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Container, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -210,24 +210,6 @@ def _seq(raw: Any) -> int | None:
     except (TypeError, ValueError):
         return None
     return v if v > 0 else None
-
-
-def _tracked(rows: list[Learned], pos: list[int]) -> Iterator[Learned]:
-    """``rows`` from ``pos[0]`` on, ``pos[0]`` kept at the row being handed out: where a replay
-    that raised stopped."""
-    for i in range(pos[0], len(rows)):
-        pos[0] = i
-        yield rows[i]
-
-
-def _counted(
-    e: Learned, known: Container[str], forgot: Mapping[str, float], not_before: Mapping[str, float]
-) -> bool:
-    """Whether `apply_learned` counts ``e`` as applied (a known worker, not before its floor)."""
-    if e.worker not in known:
-        return False
-    floor = max(forgot.get(e.worker, float("-inf")), not_before.get(e.worker, float("-inf")))
-    return not e.at < floor
 
 
 class _Outgoing:
@@ -728,27 +710,16 @@ class ClusterSync:
                 unknown.add(name)
             else:
                 not_before[name] = started + slack - offset
-        n = 0
-        start = 0
-        while start < len(chunk):
-            pos = [start]
-            try:
-                n += apply_learned(
-                    state,
-                    _tracked(chunk, pos),
-                    known=known,
-                    with_chains=self._replay_chains,
-                    not_before=not_before,
-                    own=own,
-                    concurrent_s=self.concurrent_s,
-                )
-                break
-            except Exception as err:
-                # Rows before the one that raised are in; their count, as apply_learned keeps it.
-                at = pos[0]
-                n += sum(_counted(e, known, state.forgot_at, not_before) for e in chunk[start:at])
-                self._row_failed(chunk[at], err)
-                start = at + 1
+        n = apply_learned(
+            state,
+            chunk,
+            known=known,
+            with_chains=self._replay_chains,
+            not_before=not_before,
+            own=own,
+            concurrent_s=self.concurrent_s,
+            on_error=self._row_failed,
+        )
         if own:
             return
         self.learned_applied += n

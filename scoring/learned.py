@@ -17,7 +17,7 @@ notes (approximate knowledge, counted in ``dropped``), never memory.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -105,9 +105,12 @@ def apply_learned(
     not_before: Mapping[str, float] | None = None,
     own: bool = False,
     concurrent_s: float = 0.0,
+    on_error: Callable[[Learned, Exception], None] | None = None,
 ) -> int:
     """Replay dispatches read from the replicas' shared log into ``state``, in log order;
-    returns how many applied.
+    returns how many applied. ``on_error``: a note whose replay raises is handed to it and
+    skipped, the rest still applied (a peer's malformed note must not cost its batch);
+    without it, the error propagates.
 
     ``at`` must be on this replica's clock (the transport shifts it). Session notes are resolved
     by `SessionTable.learn`: a turn clearly later than the one pinned wins, and of two turns
@@ -150,26 +153,33 @@ def apply_learned(
             f = floor.get(e.worker)
             if f is not None and e.at < f:
                 continue
+        try:
+            if e.done:
+                if precise is not None and e.block_chain:
+                    precise.dispatch_done(e.worker, e.block_chain, e.at)
+            elif own:
+                if e.session_id:
+                    sessions.learn(
+                        e.session_id,
+                        e.worker,
+                        e.at,
+                        e.prompt_tokens,
+                        own=True,
+                        concurrent_s=concurrent_s,
+                    )
+            else:
+                if with_chains and e.chain:
+                    index.record(e.worker, e.chain, dense=e.dense, tail_ends=e.tail_ends)
+                if precise is not None and e.block_chain:
+                    precise.note_dispatch(e.worker, e.block_chain, e.at)
+                if e.session_id:
+                    sessions.learn(
+                        e.session_id, e.worker, e.at, e.prompt_tokens, concurrent_s=concurrent_s
+                    )
+        except Exception as err:
+            if on_error is None:
+                raise
+            on_error(e, err)
+            continue
         n += 1
-        if e.done:
-            if precise is not None and e.block_chain:
-                precise.dispatch_done(e.worker, e.block_chain, e.at)
-            continue
-        if own:
-            if e.session_id:
-                sessions.learn(
-                    e.session_id,
-                    e.worker,
-                    e.at,
-                    e.prompt_tokens,
-                    own=True,
-                    concurrent_s=concurrent_s,
-                )
-            continue
-        if with_chains and e.chain:
-            index.record(e.worker, e.chain, dense=e.dense, tail_ends=e.tail_ends)
-        if precise is not None and e.block_chain:
-            precise.note_dispatch(e.worker, e.block_chain, e.at)
-        if e.session_id:
-            sessions.learn(e.session_id, e.worker, e.at, e.prompt_tokens, concurrent_s=concurrent_s)
     return n
