@@ -20,7 +20,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -245,6 +245,7 @@ class Gateway:
         )
         self.life.prober = self.prober
         self.proxy = Proxy(self.registry, self.upstream, self.metrics, self.slots, self.life)
+        self.proxy.wait_room = self._wait_room
         self.prober.sync()
         if self.cluster is not None:
             await self.cluster.start()
@@ -795,6 +796,21 @@ class Gateway:
             ).response(echo)
         finally:
             walks.discard(me)
+
+    async def _wait_room(self, call: Call, tried: Collection[str], deadline: float) -> None:
+        """A retry's wait for a worker it has not tried to have room (`Proxy.forward`): the
+        admission queue as a new request waits in it, counting only those workers' slots and
+        bounded by what is left of the request's deadline; refused as a new request is."""
+        assert call.account is not None  # the walk's calls all have one
+        tenant = call.account.tenant
+        await self.admission.admit(
+            tenant=tenant.name,
+            priority=tenant.priority,
+            weight=tenant.cfg.queue_weight,
+            deadline_s=deadline - time.perf_counter(),
+            has_room=functools.partial(self.slots.free, call.model, tenant.priority, tried),
+            pool=call.model,
+        )
 
     async def _dispatch(
         self, request: Request, call: Call, tenant: Tenant, headers: dict[str, str]

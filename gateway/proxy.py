@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import orjson
 from starlette.responses import Response
@@ -87,6 +87,9 @@ class Proxy:
         self.deadlines = Deadlines()
         # Set when a drain's grace ends (`cut_waiting`): the 503 message; no wait, no retry.
         self.closing: str | None = None
+        # A retry that finds no untried worker with room waits here (the app's admission queue,
+        # with what is left of the request's deadline); None: it goes to a full worker.
+        self.wait_room: Callable[[Call, Collection[str], float], Awaitable[object]] | None = None
 
     # -- dispatch --------------------------------------------------------------------------------
     async def forward(self, call: Call, settings: Settings, policy: Policy) -> Response:
@@ -108,11 +111,24 @@ class Proxy:
         suspects: list[Worker] = []
         served = False
         eligible = self.slots.eligible
+        room = self.slots.worker_room
         try:
             while call.attempts < max_attempts:
                 cands = eligible(call.model, tried, call.pool_ok)
                 if not cands:
                     break
+                if call.attempts and self.wait_room is not None and not room(cands[0]):
+                    # A retry, and every untried worker is full (`eligible` lists roomy ones
+                    # first, so the first has none): admission counted the refusing worker's
+                    # slot, not one of theirs. Sent on, a worker capped at 1 ran 6 at once
+                    # beside one that refused everything; it waits for room as a new request
+                    # does, within its own deadline, and a drain or a lost client ends the wait.
+                    await self.wait_room(call, tried, deadline)
+                    if self.closing is not None:
+                        raise self._shut_down(call, None)
+                    cands = eligible(call.model, tried, call.pool_ok)
+                    if not cands:
+                        break
                 decision = policy.choose([w.view() for w in cands], call.route)
                 worker = self.registry.workers[decision.worker.name]
                 tried.add(worker.name)

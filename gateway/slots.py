@@ -97,15 +97,17 @@ class Slots:
             return roomy or pool or cands
         return [w for w in cands if room(w) > 0] or cands
 
-    def free(self, model: str, priority: float) -> int:
+    def free(self, model: str, priority: float, tried: Collection[str] = ()) -> int:
         """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
         kept for the latency-sensitive tiers). The same for every priority of one admission
-        tier, so the queue never finds room for one waiter of a tier and none for another."""
+        tier, so the queue never finds room for one waiter of a tier and none for another.
+        A retry's count leaves out the workers it ``tried``: their room is no use to it."""
         free = total = 0
         room = self.worker_room
         for w in self.registry.candidates(model):
             total += w.spec.max_concurrency or self.worker_concurrency
-            free += room(w)
+            if not tried or w.name not in tried:
+                free += room(w)
         if self.reserve_tier and tier_of(priority, self.priority_levels) < self.reserve_tier:
             # Headroom, not a quota: the last free slots stay free for the high tiers whatever
             # they already run. Withholding only the part of the reserve they leave unused was
