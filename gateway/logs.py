@@ -77,15 +77,34 @@ class RequestLine:
         return r
 
 
+# Control characters (C0, DEL, C1) and Unicode line breaks, as escapes: one record, one line.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_ESCAPES.update({0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped. Messages quote what clients sent (an unknown
+    model's name, a worker's error text): printed raw, a model name holding a newline wrote a
+    forged record of the client's choosing into the text log (review). JSON lines escape them."""
+    return text if text.isprintable() else text.translate(_ESCAPES)
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message only: a traceback after it (exc_text) keeps its lines.
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+            line += " " + " ".join(
+                f"{k}={one_line(str(v))}" for k, v in fields.items() if v is not None
+            )
         return line
 
 

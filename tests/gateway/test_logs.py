@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -163,3 +164,28 @@ def test_json_timestamps_keep_their_milliseconds_across_seconds() -> None:
     assert f._ts(1_700_000_000.25) == "2023-11-14T22:13:20.250Z"
     assert f._ts(1_700_000_000.999) == "2023-11-14T22:13:20.999Z"
     assert f._ts(1_700_000_001.0) == "2023-11-14T22:13:21.000Z"
+
+
+FORGED = "2030-01-01 00:00:00,000 WARNING kvgate.gateway: admin key accepted (FORGED)"
+
+
+def test_text_lines_escape_what_a_client_can_put_in_a_message_or_a_field() -> None:
+    """Review: an unknown model's name holding a newline wrote a forged record into the text log
+    (the 404's message quotes it). Every control character and Unicode line break is escaped, in
+    the message and in the fields; a traceback still gets its own lines."""
+    f = TextFormatter()
+    model = "x`\n" + FORGED + "\r\x1b[2J\x85\u2028\x00"
+    rec = logging.LogRecord("kvgate.gateway", logging.INFO, "", 0, "rejected %s", (model,), None)
+    rec.fields = {"error": f"The model `{model}` does not exist", "status": 404}
+    line = f.format(rec)
+    assert len(line.splitlines()) == 1, line
+    assert "\\n" + FORGED + "\\r\\x1b[2J\\x85\\u2028\\x00" in line
+    assert line.count(FORGED) == 2  # the message and the field, each escaped on the one line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        err = logging.LogRecord("kvgate.x", logging.ERROR, "", 0, "a\nb", None, sys.exc_info())
+    text = f.format(err)
+    assert text.splitlines()[0].endswith("kvgate.x: a\\nb")
+    assert "Traceback (most recent call last):" in text.splitlines()[1]
+    assert text.rstrip().endswith("ValueError: boom")
