@@ -32,14 +32,19 @@ class Usage:
     @classmethod
     def from_json(cls, u: Any) -> Usage | None:
         """The worker's usage, or None when it is not one a charge can be computed from
-        (missing, or counts that are not non-negative integers: a negative count had made the
-        charge negative and the settlement raise after its ticket was done, holding the lease).
-        Cached tokens are at most the prompt's."""
+        (missing, either count absent or null, or counts that are not non-negative integers:
+        a negative count had made the charge negative and the settlement raise after its
+        ticket was done, holding the lease). Cached tokens are at most the prompt's."""
         if not isinstance(u, dict):
             return None
+        prompt, completion = u.get("prompt_tokens"), u.get("completion_tokens")
+        if prompt is None or completion is None:
+            # No counts (`{}`, `{"total_tokens": 25}`): not a usage, charged by what else is
+            # known. Taken as 0 and 0, such a usage made the request free (review).
+            return None
         details = u.get("prompt_tokens_details") or {}
-        prompt = _count(u.get("prompt_tokens"))
-        completion = _count(u.get("completion_tokens"))
+        prompt = _count(prompt)
+        completion = _count(completion)
         cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
         if prompt is None or completion is None or cached is None:
             return None

@@ -113,6 +113,7 @@ class RelayResponse(Response):
         # (re-joined on every read, a big event cost quadratic copying).
         self._pending: list[bytes] = []
         self._pending_size = 0  # bytes in ``_pending`` (bounded by EVENT_MAX)
+        self._cr = False  # the last chunk ended in CR: a LF starting the next is its CRLF's
         self._out: list[bytes] = []  # complete events not yet written to the client
         self._strip = not call.client_wants_usage
         self._strip_live = not call.client_wants_live_usage
@@ -260,8 +261,9 @@ class RelayResponse(Response):
                         else:
                             ended = True
             if not self._done:
-                if self._pending:
-                    await self._send(send, b"".join(self._pending))
+                # An event cut in half is dropped, never sent: a client's SDK parsed the half
+                # event's JSON, raised, and never read the error event after it (review). It may
+                # hold usage the client did not ask for, too.
                 raise UpstreamStreamError("worker closed the stream without [DONE]")
         except (UpstreamStreamError, TimeoutError) as e:
             if not (isinstance(e, TimeoutError) and self._done):
@@ -306,11 +308,8 @@ class RelayResponse(Response):
         )
         if self._out:  # complete events the client had no room for yet
             await self._flush(send)
-        # An event may have been cut in half; end it before the error event.
-        tail = b"\n\n" if self._pending else b""
         await self._send(
-            send,
-            tail + sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502),
+            send, sse_error_event(msg, "upstream_error", 504 if reason == "idle_timeout" else 502)
         )
         await self._end(send)
 
@@ -337,6 +336,8 @@ class RelayResponse(Response):
         Raises UpstreamStreamError for an event over EVENT_MAX (`_whole_events`)."""
         if self._scan_over:
             return  # nothing after [DONE] reaches the client
+        if self._cr or b"\r" in chunk:
+            chunk = self._lf(chunk)
         if not self._pending and chunk.endswith(b"\n\n"):
             out = chunk  # the usual case: the worker's writes are whole events
         else:
@@ -363,6 +364,19 @@ class RelayResponse(Response):
             out = out[: -len(_DONE)]
         if out:
             self._out.append(out)
+
+    def _lf(self, chunk: bytes) -> bytes:
+        """``chunk`` with its SSE line ends (CRLF, CR: both valid SSE) made LF, the scan's one
+        boundary. A worker framing events with CRLF (sse-starlette's default) had no event
+        found in its whole stream: it reached the client raw, unstripped, with a second [DONE],
+        and was charged nothing (review). A CRLF split over two reads loses its LF in the
+        second. JSON escapes CR inside strings, so a raw CR is only ever a line end."""
+        if self._cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        self._cr = chunk[-1:] == b"\r"
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        return chunk
 
     def _whole_events(self, chunk: bytes) -> bytes:
         """The complete events that ``chunk`` ends (with the pending ones before it, joined),

@@ -27,6 +27,9 @@ from gateway.usage import UsageSink
 
 # Outcomes of a non-streaming request cut off while a worker was generating it.
 CUT_OFF = frozenset({"upstream_timeout", "client_disconnect", "upstream_too_large"})
+# Outcomes of a stream whose worker had the prompt, whatever it streamed: the client left, or
+# the stream, started, broke off (the relay's in-band errors).
+_HAD_PROMPT = frozenset({"client_disconnect", "upstream_broken", "idle_timeout"})
 
 
 def charge(account: Account, call: Call) -> int | None:
@@ -35,10 +38,12 @@ def charge(account: Account, call: Call) -> int | None:
     if u is not None:
         discount = account.tenant.cfg.cached_token_discount
         return max(0, u.prompt_tokens + u.completion_tokens - int(discount * u.cached_tokens))
-    if call.stream and (call.events > 0 or call.outcome == "client_disconnect"):
+    if call.stream and (call.events > 0 or call.outcome in _HAD_PROMPT):
         # Streamed so far, or nothing yet from a worker that had the prompt: a client that
         # hangs up before the first token still cost a prefill (free, it was a way to fire
-        # unlimited prefills at a rate-limited key).
+        # unlimited prefills at a rate-limited key), and so did a stream that started but
+        # broke or went silent before a whole event (it was free: a worker whose events the
+        # scan could not split made every request cost nothing).
         if account.hidden_output:
             # Tokens no event shows (hidden reasoning) were generated too, how many unknown:
             # counted by events, thousands of reasoning tokens cut before the answer were free.
