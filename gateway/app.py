@@ -686,13 +686,13 @@ class Gateway:
                 precise=self.kv_fleet.active,
             )
             cap = tenant.cfg.max_input_tokens
-            if route.exact_tokens and cap is not None and route.prompt_tokens > cap:
+            if route.exact_tokens and cap is not None and route.exact_tokens > cap:
                 # The tokenizer's count (token mode) where the estimate let it pass: text that
                 # tokenizes finer than the estimate's bytes per token (control characters, rare
                 # scripts) held up to ~4x the tokens it said. Refused before any worker sees it;
                 # the reservation goes back.
                 raise bad_request(
-                    f"This request's prompt is {route.prompt_tokens} tokens; the limit for your "
+                    f"This request's prompt is {route.exact_tokens} tokens; the limit for your "
                     f"key is {cap} input tokens.",
                     "messages" if is_chat else "prompt",
                 )

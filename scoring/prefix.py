@@ -438,6 +438,9 @@ class PromptKey(NamedTuple):
     tail_ends: tuple[int, ...]  # tail entry i ends after tail_ends[i] blocks (tail_layout)
     # Token mode with KV events: one key per worker block, no tail (``RouteRequest.block_chain``).
     blocks: Sequence[int] = ()
+    # Token mode: every prompt token the request holds, counted by the tokenizer (a batch's
+    # every prompt, a completions suffix in each), which `prompt_tokens` (the first) is not.
+    input_tokens: int = 0
 
 
 def text_key(

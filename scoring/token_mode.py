@@ -322,7 +322,30 @@ class TokenKeyer:
             if block_chain_blocks > 0
             else []
         )
-        return PromptKey(chain, float(len(ids)), float(block_size), max_blocks, ends, blocks)
+        total = len(ids) if path_kind == "chat" else self._batch_tokens(body, len(ids))
+        return PromptKey(chain, float(len(ids)), float(block_size), max_blocks, ends, blocks, total)
+
+    def _batch_tokens(self, body: Mapping[str, Any], first: int) -> int:
+        """Every prompt token of a completions request, ``first`` being its first prompt's.
+
+        The chain stands for a batch by its first prompt (`render_completion`); the input cap
+        must not: the rest of a batch and the suffix (counted in every prompt, as the estimate
+        counts it) held any number of finely tokenizing tokens past `max_input_tokens` (review:
+        a 130-token cap let 497 through)."""
+        prompt = body.get("prompt")
+        batch = prompt if type(prompt) is list and prompt and type(prompt[0]) is not int else ()
+        total = first
+        if batch:
+            enc = self._encode if body.get("add_special_tokens", True) is False else None
+            for p in batch[1:]:
+                if isinstance(p, list):
+                    total += len(p)
+                else:
+                    total += len(self._encode_with(enc or self._encode_special, str(p)))
+        suffix = body.get("suffix")
+        if isinstance(suffix, str) and suffix:
+            total += (len(batch) or 1) * len(self._encode_with(self._encode, suffix))
+        return total
 
     # -- internals --
     def _encode_with(self, enc: Encoder, text: str) -> array.array[int]:
@@ -399,5 +422,5 @@ def with_key(route: RouteRequest, key: PromptKey) -> RouteRequest:
         dense_blocks=key.dense_blocks,
         tail_ends=key.tail_ends,
         block_chain=tuple(key.blocks),
-        exact_tokens=True,
+        exact_tokens=key.input_tokens or round(key.prompt_tokens),
     )

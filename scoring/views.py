@@ -61,8 +61,10 @@ class RouteRequest:
     # Token mode only: one key per worker block (no tail), what a KV-event (precise) index is
     # keyed by; its first `dense_blocks` entries equal `chain`'s. Empty: no precise matching.
     block_chain: tuple[int, ...] = ()
-    # `prompt_tokens` was counted by the model's tokenizer (token mode), not estimated.
-    exact_tokens: bool = False
+    # Token mode: every prompt token of the request by the model's tokenizer (a completions
+    # batch's every prompt, its suffix in each), what `max_input_tokens` is checked against
+    # exactly; 0: not counted (text mode estimates).
+    exact_tokens: int = 0
 
     def entries_for_blocks(self, blocks: int) -> int:
         """Chain entries wholly covered by the first ``blocks`` worker blocks (a precise match).

@@ -159,7 +159,7 @@ def test_token_id_prompts_hash_their_ids_exactly_as_text_mode_does(keyer: TokenK
     assert len(k.chain) == 203 // 16
     assert k.prompt_tokens == 203 and k.block_tokens == 16
     # The same ids key the same chain in either mode: a model moving to token mode keeps them.
-    assert k == text_key(
+    assert k._replace(input_tokens=0) == text_key(  # text mode counts nothing exactly
         "completion", {"prompt": ids}, model=MODEL, namespace="t", token_block_size=16
     )
     batch = keyer.key("completion", {"prompt": [ids, [1, 2]]}, model=MODEL, block_size=16)
