@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import orjson
 import xxhash
 
 __all__ = [
@@ -369,6 +370,8 @@ def _scalar_bytes(obj: Any) -> int:
     return 4 if t is bool or obj is None else len(str(obj))  # true, false, null
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
 # Nesting levels a template's JSON is sized flat (see `_json_bytes`) in fields no common
 # template prints indented (messages' JSON, `response_format`, `tool_choice`).
 _FLAT_DEPTH = 16
@@ -407,6 +410,11 @@ def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
                 n += _scalar_bytes(v)
         return n
     if t is list:
+        if obj and _SCALARS.issuperset(map(type, obj)):
+            # Numbers, booleans and nulls only (a long enum, an embedding): orjson writes them
+            # as the template does, in C. Walked one by one, 2M zeros in a 4 MiB tool schema
+            # held the event loop ~0.7 s (review). Each element: its text, its comma, its line.
+            return len(orjson.dumps(obj)) + 1 + ind * (len(obj) + 1)
         n = 2 + ind
         for v in obj:
             tv = type(v)
