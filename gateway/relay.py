@@ -51,6 +51,8 @@ _LIVE_USAGE = re.compile(rb',"usage":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 # 64k-token prompt (the whole-response path sees such answers of tens of MB too). 64 MiB takes
 # prompts up to ~110k tokens at that; past it the stream ends with the in-band upstream error.
 EVENT_MAX = 64 * 1024 * 1024
+# How a worker's in-band error event starts (vLLM: `json.dumps` of `{"error": ...}`).
+_ERROR_EVENT = b'data: {"error"'
 _STREAM_ERRORS = {
     "idle_timeout": "The worker sent nothing for too long; the gateway ended the stream.",
     "upstream_broken": "The worker's stream ended unexpectedly; the response is incomplete.",
@@ -276,7 +278,8 @@ class RelayResponse(Response):
         # request on [DONE] must find its concurrency lease and the worker's slot already free
         # (else a false 429 at max_concurrent).
         await self._settle_before_done()
-        call.outcome = "ok"
+        if not call.outcome:
+            call.outcome = "ok"
         await self._end(send, self._take_out() + _DONE)
         await self._drain_upstream(ended)
 
@@ -356,6 +359,13 @@ class RelayResponse(Response):
                 done = True
         if USAGE_MARK in out:
             out = self._take_usage(out, self._strip)
+        if _ERROR_EVENT in out and not self._call.outcome:
+            # vLLM's in-band error (the engine failed the request after its first byte), then
+            # [DONE]: relayed as sent, but recorded as what it is. It was logged `ok`, counted
+            # nowhere and taken as the worker's success (review). Neither success nor failure
+            # for its health: the request itself may be what failed.
+            self._call.outcome = "upstream_error_event"
+            self._life.metrics.stream_errors.labels("upstream_error_event").inc()
         self._call.events += out.count(b"\n\n")
         if done:
             self._done = self._scan_over = True

@@ -88,8 +88,13 @@ def dechunk(raw: bytes) -> bytes:
         rest = rest[n + 2 :]
 
 
-async def run(tmp_path: Path, writes: list[bytes], stream: bool = True) -> tuple[dict, bytes]:
-    """(the usage record, the body the client received)."""
+async def run(
+    tmp_path: Path,
+    writes: list[bytes],
+    stream: bool = True,
+    metrics: dict[str, float] | None = None,
+) -> tuple[dict, bytes]:
+    """(the usage record, the body the client received); ``metrics`` gets the gateway's."""
     usage_file = tmp_path / "usage.jsonl"
     async with raw_worker(script(writes)) as (url, _posts):
         data = settings_for([url]).model_dump()
@@ -125,6 +130,8 @@ async def run(tmp_path: Path, writes: list[bytes], stream: bool = True) -> tuple
                 lambda: usage_file.exists() and usage_file.stat().st_size > 0, 10, "usage record"
             )
             assert all(wk.in_flight == 0 for wk in g.gw.registry.workers.values())
+            if metrics is not None:
+                metrics.update(await g.metrics())
     rec = json.loads(usage_file.read_text().splitlines()[-1])
     return rec, got
 
@@ -201,3 +208,16 @@ async def test_a_final_usage_without_counts_leaves_the_live_usage_to_charge(
 def test_a_usage_without_both_counts_is_no_usage(u: dict[str, Any]) -> None:
     assert Usage.from_json(u) is None
     assert Usage.from_json({"prompt_tokens": 5, "completion_tokens": 3}) == Usage(5, 3, 0)
+
+
+async def test_an_in_band_error_event_is_relayed_and_recorded_as_one(tmp_path: Path) -> None:
+    """vLLM's error after the first byte (`data: {"error": ...}`, then [DONE]) was recorded
+    `ok`, counted in no metric and taken as the worker's success."""
+    full = stream_events(counts(TOKENS))
+    err = b'data: {"error": {"message": "engine failed", "type": "InternalServerError"}}\n\n'
+    metrics: dict[str, float] = {}
+    rec, got = await run(tmp_path, [*full[:3], err, b"data: [DONE]\n\n"], metrics=metrics)
+    body = dechunk(got)
+    assert err in body and body.endswith(b"data: [DONE]\n\n")
+    assert rec["outcome"] == "upstream_error_event" and rec["charged_tokens"] >= PROMPT + 2, rec
+    assert metrics['kvgate_stream_errors_total{reason="upstream_error_event"}'] == 1
