@@ -210,13 +210,18 @@ def test_a_usage_without_both_counts_is_no_usage(u: dict[str, Any]) -> None:
     assert Usage.from_json({"prompt_tokens": 5, "completion_tokens": 3}) == Usage(5, 3, 0)
 
 
-async def test_an_in_band_error_event_is_relayed_and_recorded_as_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("together", [False, True], ids=["two-reads", "one-read"])
+async def test_an_in_band_error_event_is_relayed_and_recorded_as_one(
+    tmp_path: Path, together: bool
+) -> None:
     """vLLM's error after the first byte (`data: {"error": ...}`, then [DONE]) was recorded
     `ok`, counted in no metric and taken as the worker's success."""
     full = stream_events(counts(TOKENS))
     err = b'data: {"error": {"message": "engine failed", "type": "InternalServerError"}}\n\n'
     metrics: dict[str, float] = {}
-    rec, got = await run(tmp_path, [*full[:3], err, b"data: [DONE]\n\n"], metrics=metrics)
+    done = b"data: [DONE]\n\n"
+    writes = [*full[:3], *([err + done] if together else [err, done])]
+    rec, got = await run(tmp_path, writes, metrics=metrics)
     body = dechunk(got)
     assert err in body and body.endswith(b"data: [DONE]\n\n")
     assert rec["outcome"] == "upstream_error_event" and rec["charged_tokens"] >= PROMPT + 2, rec
