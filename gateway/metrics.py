@@ -233,8 +233,9 @@ class GatewayMetrics:
         )
         self.quota_deferred = Counter(
             "kvgate_quota_deferred_settlements_outcomes",
-            "Deferred settlements by outcome: replayed to the store, or dropped (backlog full; "
-            "their leases expire by age)",
+            "Deferred settlements by outcome: replayed to the store, dropped (backlog full) or "
+            "failed (the store refused them, not an outage); dropped and failed leases expire by "
+            "age",
             ["outcome"],
             registry=r,
         )

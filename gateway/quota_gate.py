@@ -11,6 +11,13 @@ Without the replay a Redis blip would leave every request that finished during i
 whole reservation and holding its concurrency lease until `lease_ttl_s` (15 minutes): a tenant at
 its `max_concurrent` would be locked out long after Redis came back. The backlog is bounded
 (`max_deferred_settlements`); past it the oldest fall back to lease expiry, counted.
+
+Only an outage (`QuotaStoreUnavailable`) keeps an entry waiting and counts against the breaker.
+Any other store error is the store answering that this entry cannot be applied (another app wrote
+at one of the tenant's keys: WRONGTYPE): the breaker is shared by every tenant, so counting it
+there would refuse or degrade them all on a healthy store, and the entry would be retried for
+ever in front of the others. Such an entry is retried a few times, then dropped (logged, counted);
+its lease expires by age.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +46,15 @@ from gateway.quota_memory import DegradedLocalStore, MemoryQuotaStore
 from gateway.tenancy import Tenant
 
 log = logging.getLogger("kvgate.quota")
+
+# Store errors that are not an outage before a deferred settlement is given up: it is retried in
+# case the error was passing (a key repaired), not for ever (each try costs a round trip, and on
+# every admission of its tenant).
+MAX_SETTLE_ERRORS = 3
+# Deferred settlements of its tenant that one admission applies before its own admit, waiting for
+# each. Enough to free the leases of a tenant at its `max_concurrent`; after a long outage a tenant
+# may have thousands, which are the replayer's (this request must not wait for them all).
+INLINE_REPLAY = 16
 
 Mode = Literal["shared", "degraded", "closed"]
 
@@ -72,6 +88,10 @@ class _Deferred:
     ticket: Ticket
     actual: int | None
     refund_all: bool
+    errors: int = 0  # store errors that were not an outage (MAX_SETTLE_ERRORS)
+    # Sent and not answered yet: an admission replaying its tenant's backlog and the replayer
+    # must not send it both.
+    in_flight: bool = False
 
 
 class QuotaGate:
@@ -97,8 +117,10 @@ class QuotaGate:
             cooldown_s=cfg.breaker_cooldown_s,
             on_transition=self._transition,
         )
-        self._deferred: OrderedDict[str, _Deferred] = OrderedDict()
-        self._deferred_of: Counter[str] = Counter()  # entries per tenant
+        self._deferred: OrderedDict[str, _Deferred] = OrderedDict()  # oldest first
+        # The same entries by tenant, oldest first: an admission finds its tenant's without a walk
+        # of the whole backlog (up to `max_deferred_settlements`).
+        self._deferred_by: dict[str, dict[str, _Deferred]] = {}
         self._replayer: asyncio.Task[None] | None = None
         self._dropped = 0
         self._export_mode()
@@ -139,7 +161,7 @@ class QuotaGate:
         now = time.monotonic()
         if self.breaker.allow(now):
             try:
-                if self._deferred_of.get(tenant.name):
+                if tenant.name in self._deferred_by:
                     await self._replay_tenant(tenant.name)
                 adm = await self.shared.admit(res)
                 self.breaker.record_success(time.monotonic())
@@ -233,30 +255,36 @@ class QuotaGate:
         if t.store is self.shared and self.breaker.state is not BreakerState.CLOSED:
             self._defer(_Deferred(t, actual, refund_all), None)
             return
+        # Deferred whatever the failure: `t` is done, so an error escaping here would hold its
+        # lease and reservation until they expire (and cut the client's stream).
         try:
             await _apply(t, actual, refund_all)
-        except QuotaStoreError as e:
-            # Deferred whatever the failure: `t` is done, so an error escaping here would hold
-            # its lease and reservation until they expire (and cut the client's stream).
+        except QuotaStoreUnavailable as e:
             self.breaker.record_failure(time.monotonic())
-            if not isinstance(e, QuotaStoreUnavailable):
-                _log_store_failure("settlement failed", e)
             self._defer(_Deferred(t, actual, refund_all), e)
+        except QuotaStoreError as e:
+            # The store answered: not an outage, so not the breaker's (see the module's doc).
+            _log_store_failure(
+                f"settlement of {t.request_id} (tenant {t.tenant.name}, model {t.model}) failed",
+                e,
+            )
+            self._defer(_Deferred(t, actual, refund_all, errors=1), None)
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
         m = self.metrics
-        prev = self._deferred.get(d.ticket.request_id)
+        rid = d.ticket.request_id
+        prev = self._deferred.get(rid)
         if prev is not None:
-            self._deferred_of[prev.ticket.tenant.name] -= 1
-        self._deferred[d.ticket.request_id] = d
-        self._deferred_of[d.ticket.tenant.name] += 1
+            self._unlink(rid, prev)
+        self._deferred[rid] = d
+        self._deferred_by.setdefault(d.ticket.tenant.name, {})[rid] = d
         if err is not None:
             log.warning(
                 "settlement of %s deferred until the store answers: %s", d.ticket.request_id, err
             )
         while len(self._deferred) > self.cfg.max_deferred_settlements:
-            _, old = self._deferred.popitem(last=False)
-            self._deferred_of[old.ticket.tenant.name] -= 1
+            old_rid, old = next(iter(self._deferred.items()))
+            self._unlink(old_rid, old)
             m.quota_deferred.labels("dropped").inc()
             self._dropped += 1
             if self._dropped in (1, 10, 100) or self._dropped % 1000 == 0:  # not one line each
@@ -280,32 +308,87 @@ class QuotaGate:
                 await self._replay_deferred()
 
     async def _replay_deferred(self) -> None:
-        while self._deferred:
-            rid, d = next(iter(self._deferred.items()))
+        """One pass over the backlog, oldest first, until the store turns out to be down."""
+        for rid, d in list(self._deferred.items()):
             try:
-                await _apply(d.ticket, d.actual, d.refund_all)
-            except QuotaStoreError:
+                await self._replay(rid, d)
+            except QuotaStoreUnavailable:
                 self.breaker.record_failure(time.monotonic())
                 return
-            self.breaker.record_success(time.monotonic())
-            self._replayed(rid, d)
 
     async def _replay_tenant(self, tenant: str) -> None:
-        """Settle a tenant's backlog before its next admission: otherwise the leases of its
-        requests that finished during the outage still count against its `max_concurrent`
-        (a fault test saw a 429 right after Redis came back). Raises QuotaStoreError."""
-        for rid, d in [(k, v) for k, v in self._deferred.items() if v.ticket.tenant.name == tenant]:
+        """Settle the oldest of a tenant's backlog before its next admission: otherwise the
+        leases of its requests that finished during the outage still count against its
+        `max_concurrent` (a fault test saw a 429 right after Redis came back). At most
+        INLINE_REPLAY: the replayer has the rest. Raises QuotaStoreUnavailable."""
+        batch: list[tuple[str, _Deferred]] = []
+        for rid, d in self._deferred_by.get(tenant, {}).items():
+            if not d.in_flight:
+                batch.append((rid, d))
+                if len(batch) == INLINE_REPLAY:
+                    break
+        for rid, d in batch:
+            await self._replay(rid, d)
+
+    async def _replay(self, rid: str, d: _Deferred) -> None:
+        """Apply one backlog entry, unless it is gone or another caller has it in flight.
+        Raises QuotaStoreUnavailable (the entry stays); another store error is counted on the
+        entry, not the breaker, and the caller goes on with the next."""
+        if d.in_flight or self._deferred.get(rid) is not d:
+            return
+        d.in_flight = True
+        try:
             await _apply(d.ticket, d.actual, d.refund_all)
-            self._replayed(rid, d)
+        except QuotaStoreUnavailable:
+            raise
+        except QuotaStoreError as e:
+            self._failed(rid, d, e)
+            return
+        finally:
+            d.in_flight = False
+        # At once, not after the caller's other calls: when this is the half-open probe, every
+        # other request is refused or degraded until the breaker hears of it.
+        self.breaker.record_success(time.monotonic())
+        self._replayed(rid, d)
 
     def _replayed(self, rid: str, d: _Deferred) -> None:
         # By identity: the id may have been deferred anew while the call ran.
         if self._deferred.get(rid) is d:
-            del self._deferred[rid]
-            self._deferred_of[d.ticket.tenant.name] -= 1
+            self._unlink(rid, d)
         m = self.metrics
         m.quota_deferred.labels("replayed").inc()
         m.quota_deferred_pending.set(len(self._deferred))
+
+    def _failed(self, rid: str, d: _Deferred, e: QuotaStoreError) -> None:
+        """A replay the store answered with an error that is not an outage."""
+        d.errors += 1
+        t = d.ticket
+        what = f"settlement of {rid} (tenant {t.tenant.name}, model {t.model})"
+        if self._deferred.get(rid) is not d:  # replaced or pushed out of the backlog meanwhile
+            log.warning("replayed %s failed: %s", what, str(e))
+            return
+        if d.errors < MAX_SETTLE_ERRORS:
+            left = MAX_SETTLE_ERRORS - d.errors
+            log.warning("replayed %s failed, %d tries left: %s", what, left, str(e))
+            return
+        self._unlink(rid, d)
+        m = self.metrics
+        m.quota_deferred.labels("failed").inc()
+        m.quota_deferred_pending.set(len(self._deferred))
+        log.error(
+            "%s given up after %d store errors; its lease expires by age: %s",
+            what,
+            d.errors,
+            str(e),
+        )
+
+    def _unlink(self, rid: str, d: _Deferred) -> None:
+        """Take `d`, the entry now at `rid`, out of the backlog."""
+        del self._deferred[rid]
+        mine = self._deferred_by[d.ticket.tenant.name]
+        del mine[rid]
+        if not mine:
+            del self._deferred_by[d.ticket.tenant.name]
 
 
 def _log_store_failure(what: str, e: QuotaStoreError) -> None:
