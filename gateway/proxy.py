@@ -20,7 +20,6 @@ from starlette.responses import Response
 
 from gateway.call import USAGE_MARK, Call, Usage
 from gateway.config import Settings, TimeoutSettings
-from gateway.deadlines import Deadlines
 from gateway.errors import APIError, no_capacity
 from gateway.ids import echo_headers
 from gateway.lifecycle import Lifecycle
@@ -34,6 +33,7 @@ from gateway.upstream import (
     UpstreamStreamError,
 )
 from scoring.policy import Policy
+from workers.deadlines import Deadlines
 from workers.registry import Registry
 from workers.worker import Worker
 

@@ -36,7 +36,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.deadlines import Deadlines
 from gateway.upstream import (
     AiohttpUpstream,
     UpstreamClient,
@@ -44,6 +43,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamStreamError,
 )
+from workers.deadlines import Deadlines
 
 # Body bytes buffered from a worker before its socket stops being read (the relay is slower than
 # the worker: a slow client); reading resumes once the relay has taken them.
@@ -494,7 +494,7 @@ class H1Upstream:
         loop = asyncio.get_running_loop()
         try:
             # Not `asyncio.timeout`: a gateway saturated by a spike must not time out its own
-            # connects to healthy workers (`gateway.deadlines`: the loop's stalls are forgiven).
+            # connects to healthy workers (`workers.deadlines`: the loop's stalls are forgiven).
             with self._deadlines.within(self.connect_s):
                 _t, conn = await loop.create_connection(lambda: _Conn(self, key), *key)
         except TimeoutError as e:

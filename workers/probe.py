@@ -42,6 +42,7 @@ from typing import Any
 
 import httpx
 
+from workers.deadlines import Deadlines, Wait
 from workers.registry import Registry
 from workers.vllm_metrics import MetricsTooLarge, WorkerMetrics, parse_vllm_metrics
 from workers.worker import Health, Worker
@@ -61,6 +62,15 @@ ANSWER_MAX_BYTES = 1 << 20
 # JSON answers up to this size are decoded on the event loop (json.loads: ~10 us per KiB, so
 # < 1 ms); larger ones, only possible from an odd server, in a thread (1 MiB: ~10 ms).
 _JSON_INLINE_BYTES = 64 << 10
+# How much longer than a probe's bound its requests may take: the bound forgives the gateway's
+# own stalls up to its length again (`workers.deadlines`).
+_STALL_SLACK = 2
+
+
+def _stalled(wait: Wait, e: BaseException) -> bool:
+    """A timeout of a wait whose whole slack the gateway's own stalls used up: the loop was
+    held up at least the bound's length again while it waited."""
+    return isinstance(e, TimeoutError | httpx.TimeoutException) and wait.slack <= 0.0
 
 
 class ProbeError(Exception):
@@ -131,6 +141,8 @@ class Prober:
         self.deep_every = deep_every
         self.deep_timeout_s = deep_timeout_s
         self.deep_model = deep_model
+        self._deadlines = Deadlines()  # every probe's bound, the gateway's stalls forgiven
+        self.stalled_probes = 0  # timed out while the gateway stalled: not counted
         # Per worker: shallow probes since the last deep one, and when that was (registry clock).
         self._since_deep: dict[str, int] = {}
         self._deep_at: dict[str, float] = {}
@@ -220,10 +232,13 @@ class Prober:
 
     def _http_timeout(self) -> httpx.Timeout:
         """Per request, so that a reloaded `timeout_s` reaches httpx as well as the outer
-        `asyncio.timeout`: the client keeps the timeout it was built with, and a longer reloaded
-        one would otherwise still time out at the old value."""
+        bound: the client keeps the timeout it was built with, and a longer reloaded one would
+        otherwise still time out at the old value. Twice the bound, which is what the outer
+        bound may wait when it forgives the gateway's own stalls (`_STALL_SLACK`): httpx counts
+        them, and would time the probe out first."""
         t = self.timeout_s
-        return httpx.Timeout(t, connect=t if self.connect_s is None else min(self.connect_s, t))
+        c = t if self.connect_s is None else min(self.connect_s, t)
+        return httpx.Timeout(_STALL_SLACK * t, connect=_STALL_SLACK * c)
 
     async def _fetch(self, w: Worker, method: str, path: str, cap: int, **kwargs: Any) -> _Answer:
         """One request, its body read up to `cap` bytes. Raises AnswerTooLarge past it (leaving
@@ -291,12 +306,21 @@ class Prober:
         if w is None:
             return False
         t0 = time.perf_counter()
+        # The gateway's own stalls do not count (`workers.deadlines`), and a probe that timed
+        # out while the gateway stalled for its whole bound proves nothing: a loop slowed by a
+        # spike (0.25 s iterations) timed out every probe of healthy, serving workers and
+        # ejected them all, and the spike's requests got 503s (review). A dead worker is still
+        # found out: its connects are refused at once, and its requests fail.
+        wait = self._deadlines.within(self.timeout_s)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            with wait:
                 models, metrics_answer = await self._probe(w)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
             if self.registry.workers.get(name) is not w:
                 return False  # a reload replaced it meanwhile (a new URL): not its result
+            if _stalled(wait, e):
+                self._inconclusive(name, e)
+                return False
             self.registry.probe_failed(name, _describe(e))
             ok = False
         else:
@@ -346,12 +370,25 @@ class Prober:
         model = self._pick_model(cards)
         if model is None:
             return None  # serves nothing: candidates() never picks it anyway
+        wait = self._deadlines.within(self.deep_timeout_s)
         try:
-            async with asyncio.timeout(self.deep_timeout_s):
+            with wait:
                 await self._deep(w, model)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
+            if _stalled(wait, e):
+                self._inconclusive(w.name, e)
+                return None
             return f"deep probe ({model}): {_describe(e)}"
         return None
+
+    def _inconclusive(self, name: str, e: BaseException) -> None:
+        self.stalled_probes += 1
+        log.warning(
+            "worker %s: probe timed out while the gateway itself stalled for its whole bound; "
+            "not counted (%s)",
+            name,
+            _describe(e),
+        )
 
     def _pick_model(self, cards: list[dict[str, object]]) -> str | None:
         ids = [str(c["id"]) for c in cards]
@@ -374,7 +411,7 @@ class Prober:
             ANSWER_MAX_BYTES,
             json=body,
             headers=headers,
-            timeout=self.deep_timeout_s,
+            timeout=_STALL_SLACK * self.deep_timeout_s,
         )
         if r.status_code != 200:
             raise ProbeError(f"/v1/completions returned {r.status_code}: {_error_text(r)}")

@@ -5,8 +5,11 @@ reach the HTTP requests, not only the outer deadline."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -117,8 +120,10 @@ async def test_reloaded_timeout_is_sent_with_every_probe_request() -> None:
         p.timeout_s = 0.05  # lower than the connect bound: that shrinks too
         assert await p.probe_once("w0")
     assert len(raised) == 3  # /health, /v1/models, /metrics
-    assert all(t == {"connect": 0.1, "read": 3.0, "write": 3.0, "pool": 3.0} for t in raised)
-    assert all(t == dict.fromkeys(("connect", "read", "write", "pool"), 0.05) for t in seen)
+    # Twice the bounds: the probe's own bound (which forgives the gateway's stalls up to its
+    # length again) decides, not httpx, which counts them.
+    assert all(t == {"connect": 0.2, "read": 6.0, "write": 6.0, "pool": 6.0} for t in raised)
+    assert all(t == dict.fromkeys(("connect", "read", "write", "pool"), 0.1) for t in seen)
 
 
 def slow_health(delay_s: float) -> Script:
@@ -181,3 +186,64 @@ async def test_a_probe_of_the_old_url_does_not_admit_the_new_one_after_a_reload(
             assert reg.workers["w0"].health is not Health.HEALTHY
         finally:
             await pr.stop()
+
+
+@contextlib.contextmanager
+def worker_thread() -> Iterator[str]:
+    """A healthy worker on its own thread and loop: it answers at once while the test's loop,
+    which the prober runs on, is held up."""
+    ready, done = threading.Event(), threading.Event()
+    box: list[str] = []
+
+    def run() -> None:
+        async def main() -> None:
+            async with server(slow_health(0.0)) as (url, _):
+                box.append(url)
+                ready.set()
+                await asyncio.to_thread(done.wait)
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        yield box[0]
+    finally:
+        done.set()
+        t.join(10)
+
+
+async def test_the_gateways_own_stalls_do_not_time_a_probe_out() -> None:
+    """Review: the probe's bound counted the gateway's own stalls, so a loop slowed by a spike
+    timed out every probe of healthy, serving workers and ejected them all (then 503s). Each
+    turn of the loop here takes 0.1 s: a probe of a worker that answers at once takes W of
+    that; bounded at W / 1.5 it still succeeds (the stalls are forgiven up to the bound
+    again), where counting them timed it out."""
+    stop = False
+
+    async def hog() -> None:
+        while not stop:
+            time.sleep(0.1)  # noqa: ASYNC251 (the loop's turn, taken by other work)
+            await asyncio.sleep(0)
+
+    with worker_thread() as url:
+        r = Registry([WorkerSpec("w0", url)])
+        async with httpx.AsyncClient() as client:
+            h = asyncio.create_task(hog())
+            try:
+                p = Prober(r, client, interval_s=1, timeout_s=60)
+                t0 = time.perf_counter()
+                assert await p.probe_once("w0"), r.workers["w0"].last_error
+                took = time.perf_counter() - t0
+                p.timeout_s = took / 1.5
+                assert await p.probe_once("w0"), r.workers["w0"].last_error
+                # Bounded at a quarter, it times out with the loop stalled all along: that says
+                # nothing of the worker, and is not counted against it.
+                p.timeout_s = took / 4
+                assert not await p.probe_once("w0")
+                assert p.stalled_probes == 1 and r.workers["w0"].consecutive_failures == 0
+            finally:
+                stop = True
+                await h
+    assert r.workers["w0"].health is Health.HEALTHY

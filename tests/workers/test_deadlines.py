@@ -1,4 +1,4 @@
-"""gateway.deadlines: asyncio.timeout's semantics with one ticking timer for every wait."""
+"""workers.deadlines: asyncio.timeout's semantics with one ticking timer for every wait."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.deadlines import Deadlines
+from workers.deadlines import Deadlines
 
 
 async def test_a_wait_past_its_deadline_is_a_timeout_and_the_timer_stops() -> None:

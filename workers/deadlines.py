@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
-__all__ = ["Deadlines"]
+__all__ = ["Deadlines", "Wait"]
 
 
 class Deadlines:
@@ -30,7 +30,7 @@ class Deadlines:
 
     def __init__(self, tick_s: float = 0.02) -> None:
         self.tick_s = tick_s
-        self._live: dict[_Wait, float] = {}
+        self._live: dict[Wait, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         # No live wait's deadline is earlier (a wait that ended may have set it): a tick before
         # it has nothing to expire and skips the scan, which at 1,024 waits in flight cost a
@@ -38,8 +38,8 @@ class Deadlines:
         self._next = float("inf")
         self._due = 0.0  # loop time the ticking timer was set for
 
-    def within(self, seconds: float) -> _Wait:
-        return _Wait(self, seconds)
+    def within(self, seconds: float) -> Wait:
+        return Wait(self, seconds)
 
     def __len__(self) -> int:
         """Waits in progress."""
@@ -55,7 +55,7 @@ class Deadlines:
             wait.expire()
         return len(waits)
 
-    def _add(self, wait: _Wait, seconds: float) -> None:
+    def _add(self, wait: Wait, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         at = self._live[wait] = loop.time() + seconds
         if at < self._next:
@@ -97,7 +97,7 @@ class Deadlines:
         self._next = min(live.values())
 
 
-class _Wait:
+class Wait:
     __slots__ = ("_cancelling", "_owner", "_seconds", "_task", "expired", "slack")
 
     def __init__(self, owner: Deadlines, seconds: float) -> None:
@@ -108,7 +108,7 @@ class _Wait:
         self.expired = False
         self.slack = self._seconds  # time the loop's own stalls may still add to this wait
 
-    def __enter__(self) -> _Wait:
+    def __enter__(self) -> Wait:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Deadlines.within() must be used inside a task")
