@@ -174,7 +174,11 @@ class Proxy:
                         life.refused(worker, call)
                         life.failed(worker, f"HTTP {resp.status} redirect")
                         continue
-                    if resp.status >= 500:
+                    if resp.status >= 500 and resp.status != 501:
+                        # A 501 is vLLM's answer to a request it does not implement (chat to a
+                        # model with no generate runner): the request's doing, answered as a
+                        # 4xx is. Blamed and retried, one client's such requests ejected every
+                        # worker of the model (review).
                         call.upstream_sent = False  # refused: nothing was generated
                         body = await _read_bounded(resp, t.idle_s)
                         last_error = _upstream_error(resp.status, body)

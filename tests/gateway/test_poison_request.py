@@ -129,3 +129,37 @@ async def test_a_500_is_not_blamed_when_the_client_leaves_before_another_worker_
                 assert states == {"w0": ("healthy", 0), "w1": ("healthy", 0)}
         finally:
             release.set()
+
+
+async def test_a_501_is_the_requests_answer_not_the_workers_failure() -> None:
+    """vLLM answers a request it does not implement (chat to a model without a generate
+    runner) with a 501 in its envelope. Blamed and retried, such requests ejected every worker
+    of the model (3 in a row each) for every tenant (review)."""
+    tried: list[int] = []
+    unsupported = {
+        "error": {
+            "message": "The model does not support Chat Completions API",
+            "type": "NotImplementedError",
+            "param": None,
+            "code": 501,
+        }
+    }
+
+    def worker(i: int) -> Any:
+        async def chat(request: Request) -> Response:
+            tried.append(i)
+            return JSONResponse(unsupported, status_code=501)
+
+        return stub_app(chat)
+
+    async with serve_app(worker(0)) as a, serve_app(worker(1)) as b:
+        s = settings_for([a, b], probes={"interval_s": 60})  # only requests judge the workers
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=30) as c:
+            await g.wait_healthy(2)
+            for i in range(6):
+                r = await c.post(g.url + "/v1/chat/completions", json=_chat(f"hi {i}"))
+                assert r.status_code == 501 and r.json() == unsupported, r.text
+            assert len(tried) == 6  # each tried once: no retry
+            workers = g.gw.registry.workers.values()
+            assert all(w.health.value == "healthy" for w in workers)
+            assert all(w.consecutive_failures == 0 for w in workers)
