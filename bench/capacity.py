@@ -293,7 +293,7 @@ def objectives_from_args(args: argparse.Namespace) -> list[Objective]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate bench capacity", description=__doc__.split("\n")[0])
     add_trace_args(p)
     add_fleet_args(p)
     add_policy_args(p, default="round_robin,kv_aware")

@@ -661,7 +661,7 @@ def predict(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate bench compare", description=__doc__.split("\n")[0])
     g = p.add_argument_group("trace")
     g.add_argument("--trace", default=str(DEFAULT_TRACE))
     g.add_argument("--format", default=None)

@@ -1561,7 +1561,7 @@ def ladder(args: argparse.Namespace, con: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.overhead",
+        prog="kvgate bench overhead",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -135,7 +135,7 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.quota_speed",
+        prog="kvgate bench quota_speed",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )

@@ -200,7 +200,10 @@ class RedisServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Run a throwaway redis-server in the foreground.")
+    ap = argparse.ArgumentParser(
+        prog="kvgate bench redis_server",
+        description="Run a throwaway redis-server in the foreground.",
+    )
     ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args(argv)
     server = RedisServer(args.port)

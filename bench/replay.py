@@ -479,7 +479,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate bench replay", description=__doc__.split("\n")[0])
     p.add_argument(
         "--url",
         required=True,

@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from rich.table import Table
 
     p = argparse.ArgumentParser(
-        prog="python -m bench.routing_speed",
+        prog="kvgate bench routing_speed",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )

@@ -323,7 +323,7 @@ def _table(results: list[LevelResult], ref: float | None, tolerance: float, prof
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sim_capacity", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvgate bench sim_capacity", description=__doc__)
     p.add_argument(
         "--levels",
         default="1,8,16,32,48,64,96,128",

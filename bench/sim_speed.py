@@ -134,9 +134,7 @@ def report(args: argparse.Namespace, result: SimulationResult, wall: float) -> N
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.sim_speed", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="kvgate bench sim_speed", description=__doc__.split("\n")[0])
     p.add_argument(
         "--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL (%(default)s)"
     )

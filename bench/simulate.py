@@ -1206,7 +1206,7 @@ def build_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate bench simulate", description=__doc__.split("\n")[0])
     add_trace_args(p)
     add_fleet_args(p)
     add_policy_args(p)

@@ -481,7 +481,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.soak",
+        prog="kvgate bench soak",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

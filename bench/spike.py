@@ -1285,7 +1285,7 @@ def fleet_from_args(args: argparse.Namespace) -> FleetSpec:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m bench.spike",
+        prog="kvgate bench spike",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1058,7 +1058,7 @@ def _summary(trace: Trace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.traces", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate bench traces", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("convert", help="any supported trace -> normalized JSONL")
     c.add_argument("trace", help="file, weka session directory, or synthetic:k=v,...")
