@@ -124,6 +124,22 @@ def _metric_name(line: str) -> str:
     return line.partition("{")[0].partition(" ")[0]
 
 
+# Bounds on the cache geometry a worker reports (labels: any text): past them it is unknown.
+# A 400-digit `num_gpu_blocks` overflowed the float of every load figure built on it: each
+# request for its model was a 500, and the autoscale series of every model were gone (review).
+_MAX_BLOCK_SIZE = 1 << 16
+_MAX_BLOCKS = 1 << 40
+
+
+def _label_int(v: str | None, bound: int) -> int | None:
+    """A label's non-negative integer up to ``bound`` (ASCII digits only: `isdigit` also takes
+    `²`, which `int` refuses), else None."""
+    if not v or len(v) > 20 or not (v.isascii() and v.isdigit()):
+        return None
+    n = int(v)
+    return n if n <= bound else None
+
+
 def parse_vllm_metrics(text: str) -> WorkerMetrics:
     text = relevant_lines(text)
     sums: dict[str, float] = {}
@@ -139,11 +155,12 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
             continue
         if name == "vllm:cache_config_info":
             for s in family.samples:
-                bs, nb = s.labels.get("block_size"), s.labels.get("num_gpu_blocks")
-                if bs and bs.isdigit():
-                    block_size = int(bs)
-                if nb and nb.isdigit():
-                    num_blocks = (num_blocks or 0) + int(nb)
+                bs = _label_int(s.labels.get("block_size"), _MAX_BLOCK_SIZE)
+                nb = _label_int(s.labels.get("num_gpu_blocks"), _MAX_BLOCKS)
+                if bs is not None:
+                    block_size = bs
+                if nb is not None:
+                    num_blocks = min((num_blocks or 0) + nb, _MAX_BLOCKS)
             continue
         if not name.startswith("vllm:"):
             continue

@@ -117,3 +117,24 @@ def test_only_the_families_read_reach_the_parser_with_the_same_result(
         assert len(vm.relevant_lines(text)) < len(text) / 10
     monkeypatch.setattr(vm, "relevant_lines", lambda t: t)
     assert vm.parse_vllm_metrics(text) == filtered
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_gpu_blocks", "want"),
+    [
+        ("16", "9" * 400, (16, None)),  # overflowed every float built on it: 500s (review)
+        ("9" * 30, "4096", (None, 4096)),
+        ("\uff11\uff16", "\u00b2", (None, None)),  # not ASCII (fullwidth 16, ²): `int` of ² raises
+        ("16", str(1 << 41), (16, None)),
+        ("256", str(1 << 20), (256, 1 << 20)),
+    ],
+)
+def test_cache_geometry_past_its_bounds_is_unknown(
+    block_size: str, num_gpu_blocks: str, want: tuple[int | None, int | None]
+) -> None:
+    text = (
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
+        f'num_gpu_blocks="{num_gpu_blocks}"}} 1.0\n'
+    )
+    m = parse_vllm_metrics(text)
+    assert (m.block_size, m.num_blocks) == want
