@@ -106,10 +106,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.supervisor import process_count, supervise
 
     child = ChildSpec.from_arg(args.child) if args.child else None
-    if child is not None:
-        # Until its config watcher takes SIGHUP over, a reload the supervisor forwards must not
-        # end a starting child (SIGHUP's default); the child reads the file as it starts anyway.
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # Until the config watcher (or the supervisor) takes SIGHUP over, a reload sent while the
+    # gateway starts (one the supervisor forwards, an early `systemctl reload`) must not end it
+    # (SIGHUP's default): the file is read as it starts anyway. A lone gateway died of one.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     settings = _load(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
