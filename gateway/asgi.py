@@ -62,9 +62,10 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
         return APIError(404, f"no route {request.url.path}", "invalid_request_error").response()
 
     async def bad_method(request: Request, exc: Exception) -> Response:
+        # With the `Allow` header Starlette's exception carries: a 405 must list the methods.
         return APIError(
             405, f"method {request.method} not allowed", "invalid_request_error"
-        ).response()
+        ).response(getattr(exc, "headers", None) or {})
 
     app = Starlette(
         routes=routes,

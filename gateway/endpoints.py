@@ -77,12 +77,17 @@ class Endpoints:
         return Response(b"", 200)
 
     async def ready(self, request: Request) -> Response:
-        healthy = len(self.gw.registry.healthy())
-        ok = bool(healthy) and not self.gw.draining
+        # Workers that take new requests: a drained one is healthy but takes none, and counting
+        # it kept a replica whose every worker was drained in its balancer's rotation, answering
+        # each request with a 503 (review).
+        healthy = self.gw.registry.healthy()
+        serving = sum(1 for w in healthy if not w.draining)
+        ok = bool(serving) and not self.gw.draining
         body: dict[str, Any] = {
             "ready": ok,
             "draining": self.gw.draining,
-            "healthy_workers": healthy,
+            "healthy_workers": serving,
+            "draining_workers": len(healthy) - serving,
             "workers": len(self.gw.registry.workers),
         }
         if self.gw.processes is not None:
