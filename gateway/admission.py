@@ -538,19 +538,22 @@ class AdmissionController:
 
     def fail_pool(self, pool: str, error: Callable[[], APIError]) -> int:
         """Refuse every waiter of ``pool`` now with ``error()``: no worker is left to serve it
-        (the last one went unhealthy). A new request for it gets that 503 at once; a queued one
-        waited out its whole deadline instead, then read "no worker became free" with a
-        Retry-After of 1 s (review: 20 s for a model down since the first 0.3 s). Returns how
-        many were refused."""
+        (the last one went unhealthy, or stopped listing the model). A new request for it gets
+        that 503 (or 404) at once; a queued one waited out its whole deadline instead, then read
+        "no worker became free" with a Retry-After of 1 s (review: 20 s for a model down since
+        the first 0.3 s). Counted as ``no_capacity``, or ``model_not_found`` for a 404. Returns
+        how many were refused."""
         p = self._pools.get(pool)
         if p is None or not p.queue._size:
             return 0
         entries = p.queue.drain(0.0, self._clock())
         for e in entries:
+            err = error()
             fut = e.payload[0]
             if not fut.done():
-                fut.set_exception(error())
-            self.observer.refused(p.name, e.tier, "no_capacity", 503)
+                fut.set_exception(err)
+            reason = "model_not_found" if err.status == 404 else "no_capacity"
+            self.observer.refused(p.name, e.tier, reason, err.status)
         return len(entries)
 
     # -- stats -----------------------------------------------------------------------------------

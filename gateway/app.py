@@ -2,9 +2,10 @@
 
 The walk for a completion (`Gateway.completions`, top to bottom): authenticate the tenant
 (gateway/tenancy.py) -> read the capped body, parse and validate once (gateway/validate.py) ->
-apply the tenant's output caps -> find healthy workers for the model (404 unknown / 503 none
-healthy) -> the route key (gateway/keying.py) -> reserve quota (gateway/quota_gate.py) -> wait
-for room (gateway/admission.py) -> the proxy picks a worker through the routing policy and
+apply the tenant's output caps -> find the workers serving the model (404 unknown / 503 none
+healthy; full ones, or a half-open one whose trial runs, are waited for) -> the route key
+(gateway/keying.py) -> reserve quota (gateway/quota_gate.py) -> wait for room
+(gateway/admission.py) -> the proxy picks a worker through the routing policy and
 retries before the first byte (gateway/proxy.py) -> the relay streams SSE untouched
 (gateway/relay.py) -> both report to the lifecycle (gateway/lifecycle.py), whose finish has
 settlement charge what was used and write the usage record (gateway/settlement.py), then
@@ -141,6 +142,9 @@ class Gateway:
         self._kv_sync_lock = asyncio.Lock()
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self._started: dict[str, float] = {}  # worker -> its process's start time, last probe
+        # Worker -> the models its last probe listed: a probe that drops one may leave requests
+        # queued for a model nothing serves any more (`_on_probe`).
+        self._models: dict[str, frozenset[str]] = {}
         # Worker records a reload removed (or replaced: a new URL) while requests ran on them.
         self._retired: list[Worker] = []
         # Walks not yet handed to admission and a worker, and those a drain's grace cut.
@@ -439,6 +443,7 @@ class Gateway:
             self.metrics.forget_worker(name, [h.value for h in Health])
             self._forget_routing(name)
             self._started.pop(name, None)
+            self._models.pop(name, None)
             old = before.get(name)
             if old is not None and old.in_flight > 0:
                 self._retired.append(old)  # its requests still run: drain counts them
@@ -492,6 +497,22 @@ class Gateway:
             if not self.registry.knows_model(pool) and self.admission.forget_pool(pool):
                 self.metrics.forget_model(pool)
 
+    def _unserved(self, model: str) -> APIError:
+        """What a request for ``model`` that no worker serves now is answered: 503 while a worker
+        has listed it (it may come back) or none is healthy (nothing can be said of the model),
+        else 404. New and queued requests alike."""
+        if self.registry.knows_model(model) or not self.registry.healthy():
+            return no_capacity(f"no healthy worker is serving model `{model}`")
+        return model_not_found(model)
+
+    def _fail_unserved(self, models: Collection[str]) -> None:
+        """Refuse at once the requests queued for those of ``models`` that no worker serves any
+        more, with what a new request gets (`_unserved`), rather than at their deadline as "no
+        worker became free"."""
+        for model in models:
+            if not self.registry.serving(model):
+                self.admission.fail_pool(model, functools.partial(self._unserved, model))
+
     def _schedule_kv_sync(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_kv_events())
         self._kv_tasks.add(task)
@@ -535,6 +556,13 @@ class Gateway:
 
     def _on_probe(self, w: Worker, ok: bool, seconds: float) -> None:
         m = self.metrics
+        models, self._models[w.name] = self._models.get(w.name), w.models
+        if models is not None and models - w.models:
+            # Restarted serving other models, health unchanged: the requests queued for a model
+            # it was the last to serve would wait out their deadline (review: 10 s, then "no
+            # worker became free" where a new request got a 404 at once).
+            self._fail_unserved(models - w.models)
+            self._forget_models()
         m.probe_seconds.labels(w.name).observe(seconds)
         if not ok:
             m.probe_failures.labels(w.name).inc()
@@ -561,12 +589,11 @@ class Gateway:
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
         if down:  # its models' waiters may have no worker left: they get a new request's 503
-            for model in self.admission.pools():
-                if not self.registry.candidates(model):
-                    self.admission.fail_pool(
-                        model,
-                        lambda m=model: no_capacity(f"no healthy worker is serving model `{m}`"),
-                    )
+            self._fail_unserved(self.admission.pools())
+        else:
+            # Back, or on trial: its models' waiters may go (a trial that passed at a stream's
+            # first byte frees its room long before the stream releases its slot).
+            self.admission.kick(w.models)
 
     # -- the walk ----------------------------------------------------------------------------------
     def _read_body(
@@ -657,11 +684,11 @@ class Gateway:
                 req.modified |= changed
             else:
                 max_out = output_tokens(is_chat, data)
-            candidates = self.registry.candidates(model)
-            if not candidates:
-                if self.registry.knows_model(model) or not self.registry.healthy():
-                    raise no_capacity(f"no healthy worker is serving model `{model}`")
-                raise model_not_found(model)
+            # Serving, not `candidates` (those with room now): a request behind full workers,
+            # or a half-open one whose trial runs, waits in admission for room or the verdict.
+            serving = self.registry.serving(model)
+            if not serving:
+                raise self._unserved(model)
             if self.tenants.enabled:
                 # Before keying: a refused request costs no tokenizing (token mode: ~150 ms of
                 # a worker thread for a 195 kB prompt), and its latency says nothing of it.
@@ -669,7 +696,7 @@ class Gateway:
             route = await route_key(
                 policy=self.policy,
                 keyers=self.token_keyers,
-                views=(w.view() for w in candidates),
+                views=(w.view() for w in serving),
                 options=self.routing_options,
                 token_mode=settings.routing.token_mode,
                 is_chat=is_chat,

@@ -74,7 +74,9 @@ class Slots:
         if w.health is Health.HALF_OPEN:
             # On trial: only this replica's trial requests (the half-open state is its own
             # view; another replica's traffic there must not keep its trial from ever starting).
-            trial = self.registry.half_open_requests - w.in_flight
+            # Not the requests it still runs from before its ejection (`Registry.trial_room`):
+            # counted, a stream that outlived the ejection held the trial off until it ended.
+            trial = self.registry.trial_room(w)
             room = trial if trial < room else room
         return room if room > 0 else 0
 

@@ -19,9 +19,10 @@ than at the speed of probes. Probe successes do not reset the passive streak: a 
 A worker that went out because *requests* failed is not readmitted by `/health` (it
 answered 200 there, was readmitted ~40 ms after each ejection, flapped 13 times a second and a
 third of the requests needed a retry). It is held out like a breaker ejection, then goes
-**half-open**: it takes at most `half_open_requests` requests at once and is healthy again only
-when one of them succeeds (first byte of a stream, or a whole non-5xx response); a failed one ejects
-it again with a doubled hold. A worker that went out through failed probes alone (nothing it was
+**half-open**: it takes at most `half_open_requests` trial requests at once (requests it still
+runs from before its ejection take no trial slot: `trial_room`) and is healthy again only when one
+of them succeeds (first byte of a stream, or a whole non-5xx response); a failed one ejects it
+again with a doubled hold. A worker that went out through failed probes alone (nothing it was
 sent failed) is readmitted by probes as before: it has shown no request failure to re-test.
 
 Protections on top of that state machine:
@@ -75,7 +76,7 @@ class Registry:
     Knobs are plain attributes; `configure` changes them on a config reload. Every protection is
     off when its main knob is 0: `breaker_window` / `breaker_error_rate` for the breaker,
     `outlier_factor` / `outlier_max_fraction` for TTFT outliers. `half_open_requests` is how many
-    requests a half-open worker may have in flight at once.
+    trial requests a half-open worker may have in flight at once.
     """
 
     def __init__(
@@ -124,6 +125,9 @@ class Registry:
         self._known_models: dict[str, frozenset[str]] = {}
         # Served name -> the name its prompts' KV blocks are keyed under (`cache_name`).
         self.cache_names: dict[str, str] = {}
+        # Half-open worker -> how many of its requests in flight are from before its trial began
+        # (`trial_room`): the registry sees no dispatch, only `in_flight`.
+        self._pre_trial: dict[str, int] = {}
         self.sync(specs)
 
     KNOBS = frozenset(
@@ -176,6 +180,7 @@ class Registry:
                 if cur.spec.url != spec.url:  # a different server: start over
                     self.workers[name] = Worker(spec, draining=cur.draining)
                     self._known_models.pop(name, None)
+                    self._pre_trial.pop(name, None)
                     if cur.model_cards:
                         self._index_cache_names()
                     removed.append(name)
@@ -192,6 +197,7 @@ class Registry:
 
     def remove(self, name: str) -> bool:
         self._known_models.pop(name, None)
+        self._pre_trial.pop(name, None)
         gone = self.workers.pop(name, None)
         if gone is not None and gone.model_cards:
             self._index_cache_names()
@@ -235,20 +241,53 @@ class Registry:
 
     # -- queries -----------------------------------------------------------------------------
     def candidates(self, model: str) -> list[Worker]:
-        """Workers that may take a new request for `model`: serving it, not draining, and healthy,
-        or half-open with fewer than `half_open_requests` in flight (its trial: the proxy counts
-        in_flight before it awaits anything, so no two picks see the same free trial slot)."""
-        trials = self.half_open_requests
+        """Workers that may take a new request for `model` now: serving it, not draining, and
+        healthy, or half-open with a trial slot free (`trial_room`; the proxy counts in_flight
+        before it awaits anything, so no two picks see the same free trial slot). Whether the
+        model is served at all is `serving`'s question: a half-open worker whose trial runs is
+        not in this list, yet its verdict may be a moment away."""
         return [
             w
             for w in self.workers.values()
             if (
                 w.health is Health.HEALTHY
-                or (w.health is Health.HALF_OPEN and w.in_flight < trials)
+                or (w.health is Health.HALF_OPEN and self.trial_room(w) > 0)
             )
             and not w.draining
             and model in w.models
         ]
+
+    def serving(self, model: str) -> list[Worker]:
+        """Workers that serve `model`, full or not: not draining, and healthy or half-open. What
+        decides between "wait for room" (the admission queue) and "nothing serves it" (a 503 or
+        404 at once): a request behind a half-open worker's running trial waits for its verdict,
+        as one behind a full healthy worker waits for a slot (review: every request for the
+        model of a worker on trial was refused 503 until the trial ended)."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.health in (Health.HEALTHY, Health.HALF_OPEN)
+            and not w.draining
+            and model in w.models
+        ]
+
+    def trial_room(self, w: Worker) -> int:
+        """Trial requests half-open ``w`` may still take: `half_open_requests` minus those sent
+        since it went half-open.
+
+        Its requests from before the ejection (a long stream that outlived it) are not trials:
+        counted as trials, one such stream took the only trial slot and no trial could start
+        until it ended (review: 23 requests in 12 s refused while the worker streamed, at 1 of
+        256 slots). They are the ``in_flight`` noted when it went half-open, lowered whenever
+        ``in_flight`` is found below that (old requests ended; every pick reads this first, so
+        a trial sent after they ended counts in full). The registry sees no dispatch, only
+        ``in_flight``: an old request ending while a trial runs looks like the trial's end and
+        lets one more trial in. Only one ending with no verdict does (a client gone): one that
+        ends well, or fails, is itself the trial's verdict."""
+        pre = self._pre_trial.get(w.name, 0)
+        if pre > w.in_flight:
+            pre = self._pre_trial[w.name] = max(w.in_flight, 0)
+        return self.half_open_requests - (w.in_flight - pre)
 
     def healthy(self) -> list[Worker]:
         """Workers that take traffic: HEALTHY, and HALF_OPEN ones (on trial), draining ones
@@ -554,6 +593,11 @@ class Registry:
         was = w.health
         w.health = health
         w.last_change_at = self.clock() if now is None else now
+        if health is Health.HALF_OPEN:
+            if was is not Health.HALF_OPEN:
+                self._pre_trial[w.name] = max(w.in_flight, 0)  # all sent before the trial
+        else:
+            self._pre_trial.pop(w.name, None)
         if health is Health.HEALTHY:
             # TTFT samples from before it went out are not this worker's speed now (and an
             # outlier ejection acted on them). The error window is cleared where an ejection
