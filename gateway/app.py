@@ -365,9 +365,15 @@ class Gateway:
         keyers = None
         if r.token_mode != old.routing.token_mode:
             keyers = load_keyers(r.token_mode)  # a tokenizer.json that does not load: rejected
+        # What a reload cannot change stays as it runs, and `self.settings` says so: installed,
+        # the new [server] applied its body limit, headers and drain grace at once, though the
+        # log said "after a restart", and `--processes` children then disagreed (a restarted one
+        # runs the start's values): the same request got 200 or 413 by process (review).
+        pinned: dict[str, object] = {}
         for section in RESTART_ONLY_SECTIONS:
             if getattr(old, section) != getattr(new, section):
                 log.warning("[%s] changed: takes effect after a restart", section)
+                pinned[section] = getattr(old, section)
         if new.autoscale != old.autoscale:
             self.autoscale.configure(to_core(new.autoscale, AutoscaleSettings))
         if new.cluster != old.cluster:
@@ -376,6 +382,9 @@ class Gateway:
             ):
                 log.warning(
                     "[cluster] %s: take effect after a restart", "/".join(RESTART_ONLY_CLUSTER)
+                )
+                pinned["cluster"] = new.cluster.model_copy(
+                    update={k: getattr(old.cluster, k) for k in RESTART_ONLY_CLUSTER}
                 )
             if self.cluster is not None:
                 self.cluster.configure(new.cluster)  # interval, expiry, timeout: live
@@ -386,6 +395,8 @@ class Gateway:
                 self.upstream.connect_s = new.timeouts.connect_s
             else:
                 log.warning("[timeouts] connect_s: takes effect for workers after a restart")
+        if pinned:
+            new = new.model_copy(update=pinned)
         self.settings = new
         if r.options != old.routing.options:
             self.routing_options = RoutingOptions(**r.options)

@@ -110,12 +110,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # gateway starts (one the supervisor forwards, an early `systemctl reload`) must not end it
     # (SIGHUP's default): the file is read as it starts anyway. A lone gateway died of one.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # As the environment overrides any key (`KVGATE_SERVER__PORT`): so every load of the file
+    # has them, the config watcher's reloads too. Applied to the first load only, each reload
+    # read a [server] without them and warned that it had changed (review).
+    for key, value in (("HOST", args.host), ("PORT", args.port)):
+        if value is not None:
+            os.environ[f"KVGATE_SERVER__{key}"] = str(value)
     settings = _load(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        settings = settings.model_copy(
-            update={"server": settings.server.model_copy(update=overrides)}
-        )
     setup_logging(settings.logging.level, settings.logging.format)
     if child is not None:
         from gateway.process_child import EXIT_CONFIG_REFUSED, start_settings
