@@ -12,7 +12,9 @@ a round run in parallel processes. A probe passes when every request finished an
 percentile holds (a request the fleet refuses, vLLM's 400 for a prompt too long for the context,
 fails at every rate: it is left out and stated, not counted against the rate). Latency is not
 always monotone in load (cache placement shifts with timing), so
-the answer is the highest *passing* rate probed below the lowest failing one.
+the answer is the highest *passing* rate probed below the lowest failing one. A policy that
+passes every probe up to `--max-scale` has no failing rate: its answer is that ceiling, stated as
+"at least" (`at_least` in the JSON), since the fleet may hold far more.
 
 Outputs one line per answer, the rate-vs-latency curve (PNG: every probe, SLO lines) and a JSON
 with every probe's full summary.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.argtypes import positive
 from bench.metrics import SLO, fmt_s, machine
 from bench.paths import out_path, shown
 from bench.simulate import (
@@ -50,6 +53,7 @@ from bench.simulate import (
 from bench.traces import Trace, TraceError, exit_on_trace_error, mean_rate
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
+MAX_SCALE_LIMIT = 2.0**30  # a billion times the trace's rate; past ~2^1023 a doubling overflows
 QUANTS = ("p50", "p90", "p95", "p99")
 
 
@@ -119,6 +123,12 @@ class Search:
     @property
     def answer_scale(self) -> float | None:
         return None if self.lo is None else 2.0**self.lo
+
+    @property
+    def at_least(self) -> bool:
+        """The answer is a lower bound: every probe passed, up to the search's ceiling
+        (`--max-scale`), so the fleet holds at least that rate and maybe far more."""
+        return self.lo is not None and self.hi is None
 
 
 def run_search(
@@ -212,7 +222,7 @@ def capacity_of(
     return Capacity(
         request_rate=scale * _base_rate(ctx),
         rate_scale=scale,
-        at_least=s.hi is None,
+        at_least=s.at_least,
         probes=len(s.probes),
     )
 
@@ -225,13 +235,20 @@ def answer_lines(
     refused: int = 0,
 ) -> list[str]:
     """ "8 workers hold 42 req/s at TTFT p95 <= 2 s with kv_aware, 17 req/s with round_robin",
-    plus a line for the requests the fleet refuses at any rate, when there are some."""
+    plus a line for the requests the fleet refuses at any rate, when there are some. A search
+    that passed every probe up to its ceiling says "at least": its rate is where it stopped
+    looking, not where the fleet stops holding."""
     slo = ", ".join(o.describe() for o in objectives)
     parts = []
     for s in sorted(searches, key=lambda s: -(s.answer_scale or 0)):
         a = s.answer_scale
         if a is None:
             parts.append(f"none of the probed rates with {s.spec.label}")
+        elif s.at_least:
+            parts.append(
+                f"at least {base_rate * a:.1f} req/s (rate x{a:.2f}, the search ceiling "
+                f"--max-scale: every probe passed) with {s.spec.label}"
+            )
         else:
             parts.append(f"{base_rate * a:.1f} req/s (rate x{a:.2f}) with {s.spec.label}")
     lines = [f"{workers} workers hold " + parts[0] + f" at {slo}"] + [f"    {p}" for p in parts[1:]]
@@ -302,13 +319,18 @@ def main(argv: list[str] | None = None) -> int:
         for q in QUANTS:
             g.add_argument(f"--slo-{m}-{q}", type=float, default=None, help=argparse.SUPPRESS)
     g.add_argument("--iterations", type=int, default=4, help="bisection steps after bracketing")
-    g.add_argument("--max-scale", type=float, default=64.0, help="search within [1/x, x]")
+    g.add_argument("--max-scale", type=positive, default=64.0, help="search within [1/x, x]")
     g.add_argument("--png", type=Path, default=out_path("capacity.png"), help="%(default)s")
     g.add_argument(
         "--json", type=Path, default=out_path("capacity.json"), help="every probe: %(default)s"
     )
     p.epilog = "SLOs: --slo-{ttft,tpot,itl,e2e}-{p50,p90,p95,p99} SECONDS (default TTFT p95 2 s)"
     args = p.parse_args(argv)
+    if not 1 <= args.max_scale <= MAX_SCALE_LIMIT:
+        p.error(
+            f"--max-scale must be in [1, 2^{math.log2(MAX_SCALE_LIMIT):.0f}] (the search spans "
+            f"1/x to x), not {args.max_scale:g}"
+        )
     objectives = objectives_from_args(args) or [Objective("ttft", "p95", 2.0)]
     console = report_console()
     t0 = time.perf_counter()
@@ -369,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                     "policy": s.spec.label,
                     "rate_scale": s.answer_scale,
                     "request_rate": None if s.answer_scale is None else s.answer_scale * base,
+                    "at_least": s.at_least,
                     "probes": [
                         {
                             "rate_scale": pr["rate_scale"],

@@ -57,6 +57,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from bench.argtypes import count, positive
 from bench.floor import floor_describe
 from bench.gateways import (  # noqa: F401 - kvgate_config: part of this module's interface
     kv_event_endpoints,
@@ -575,10 +576,13 @@ def prepare(args: argparse.Namespace) -> Trace:
     trace = load_trace(args.trace, args.format)
     if not trace.requests:
         raise TraceError(f"{args.trace}: the trace has no request")
-    if args.limit:
+    if args.limit is not None:
         trace = head(trace, args.limit)
-    if args.sample:
-        trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
+    if args.sample is not None:
+        try:
+            trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
+        except ValueError as e:  # its range, for a caller that built `args` itself
+            raise TraceError(f"--sample: {e}") from e
     if args.max_output:
         trace = cap_output(trace, args.max_output)
     return trace
@@ -590,7 +594,7 @@ def pace(
     """Set the sample's clock: `--rate`, `--time-scale`, or `--load` x round-robin's capacity
     on this fleet (the default): a rate guessed for one trace overloads or idles the fleet on
     another, and a comparison only means something near saturation."""
-    if args.rate:
+    if args.rate is not None:
         scale = rate_time_scale(trace, args.rate)
         info: dict[str, Any] = {"by": "rate", "rate": args.rate}
     elif args.time_scale is not None and args.load is None:
@@ -632,7 +636,10 @@ def pace(
             f"{cap.request_rate:.3g} req/s; replaying at {rate:.3g} req/s ({load:g}x)"
         )
     info["time_scale"] = round(scale, 6)
-    return scale_time(trace, scale), info
+    try:
+        return scale_time(trace, scale), info
+    except ValueError as e:  # a scale that overflows the arrivals (--time-scale 1e308)
+        raise TraceError(str(e)) from e
 
 
 def predict(
@@ -665,20 +672,21 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("trace")
     g.add_argument("--trace", default=str(DEFAULT_TRACE))
     g.add_argument("--format", default=None)
-    g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
-    g.add_argument("--sample", type=float, default=0.05, help="fraction (<=1) or count (>1)")
+    # Typed (bench.argtypes): `--sample 0` was no sampling at all, `--sample inf` a traceback.
+    g.add_argument("--limit", type=count, default=None, help="first N requests, before sampling")
+    g.add_argument("--sample", type=positive, default=0.05, help="fraction (<=1) or count (>1)")
     g.add_argument("--sample-by", default="auto", choices=SAMPLE_BY)
-    g.add_argument("--time-scale", type=float, default=None, help="x trace times")
+    g.add_argument("--time-scale", type=positive, default=None, help="x trace times")
     g.add_argument(
         "--rate",
-        type=float,
+        type=positive,
         default=None,
         help="replay the (sampled) trace at this mean req/s instead of --time-scale, keeping "
         "its arrival pattern",
     )
     g.add_argument(
         "--load",
-        type=float,
+        type=positive,
         default=None,
         help=f"replay at this fraction of round-robin's capacity on this fleet (an offline search: "
         f"every request done, TTFT p95 <= max({CAPACITY_TTFT_P95_S:g} s, "
@@ -754,10 +762,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.gateways < 1:
         p.error("--gateways must be >= 1")
-    if args.rate is not None and not args.rate > 0:
-        p.error("--rate must be > 0 (requests per second)")
-    if args.load is not None and not args.load > 0:
-        p.error("--load must be > 0 (a fraction of round-robin's capacity)")
     if sum(x is not None for x in (args.rate, args.time_scale, args.load)) > 1:
         p.error("give one of --rate, --time-scale and --load")
     if args.predict_share is None:

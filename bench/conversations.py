@@ -68,6 +68,14 @@ class ConversationSpec:
             raise ValueError("sessions, max_turns and block_size must be >= 1")
         if spec.session_rate <= 0 or spec.system_prompts < 1:
             raise ValueError("session_rate must be > 0 and system_prompts >= 1")
+        # A turn is at least its user message (so no prompt is empty), and a session at least
+        # its first turn; what a user reads and thinks cannot take negative time.
+        if spec.user_tokens < 1 or spec.max_input < 1:
+            raise ValueError("user_tokens and max_input must be >= 1")
+        if spec.system_tokens < 0 or spec.output_tokens < 0:
+            raise ValueError("system_tokens and output_tokens must be >= 0")
+        if spec.think_s < 0 or spec.read_s_per_token < 0:
+            raise ValueError("think_s and read_s_per_token must be >= 0")
         return spec
 
 

@@ -49,6 +49,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from bench.argtypes import count, positive
 from bench.metrics import SLO, balance, dist, machine, tpot
 from bench.paths import out_path, shown
 from bench.sse_client import StreamResult, stream
@@ -173,19 +174,26 @@ async def _one(
 ) -> None:
     """Send one request and fill its record; never raises (errors are recorded)."""
     path = "/v1/chat/completions" if opts.endpoint == "chat" else "/v1/completions"
-    headers = {"content-type": "application/json", "x-request-id": req.request_id}
-    if opts.api_key:
-        headers["authorization"] = f"Bearer {opts.api_key}"
-    if req.session_id:
-        headers[opts.session_header] = req.session_id
-    data = orjson.dumps(build_body(req, opts))
     res = StreamResult()
+    res.sent_at = time.perf_counter()  # `stream` sets it on sending; this if it never does
     cancelled = False
     try:
+        headers = {"content-type": "application/json", "x-request-id": req.request_id}
+        if opts.api_key:
+            headers["authorization"] = f"Bearer {opts.api_key}"
+        if req.session_id:
+            headers[opts.session_header] = req.session_id
+        data = orjson.dumps(build_body(req, opts))
         await stream(http, rec.url + path, data, headers, parse=True, result=res)
     except asyncio.CancelledError:
         cancelled = True
         raise
+    except Exception as e:
+        # One request that cannot be built or sent (a record no validation caught, a client
+        # error `stream` does not catch) is that request's error: raised, it would end the
+        # whole replay and lose every other record.
+        res.exc = e
+        res.error = f"{type(e).__name__}: {e}"
     finally:
         _record(rec, res, t0)
         if cancelled:
@@ -398,15 +406,22 @@ def prepare_trace(args: argparse.Namespace) -> Trace:
     trace = load_trace(args.trace, args.format)
     if not trace.requests:
         raise TraceError(f"{args.trace}: the trace has no request")
-    if args.limit:
+    if args.limit is not None:
         trace = head(trace, args.limit)
-    if args.sample:
-        trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
-    if args.rate:
-        trace = retime_gamma(trace, args.rate, args.burstiness, args.seed)
-    else:
-        trace = scale_time(trace, args.time_scale or 1.0)
-    if args.num_requests:
+    # The transforms check their own ranges (ValueError): for a caller that built `args`
+    # without this parser's types, that is a bad trace option, one line like any TraceError.
+    try:
+        if args.sample is not None:
+            trace = sample(trace, args.sample, args.seed, by=args.sample_by, keep_times=False)
+        if args.rate is not None:
+            trace = retime_gamma(trace, args.rate, args.burstiness, args.seed)
+        else:
+            trace = scale_time(trace, 1.0 if args.time_scale is None else args.time_scale)
+    except TraceError:
+        raise
+    except (ValueError, OverflowError) as e:
+        raise TraceError(str(e)) from e
+    if args.num_requests is not None:
         trace = head(trace, args.num_requests)
     return trace
 
@@ -453,25 +468,25 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trace")
     g.add_argument("--trace", required=True, help="trace file/dir or synthetic:k=v,...")
     g.add_argument("--format", default=None)
-    g.add_argument("--limit", type=int, default=None, help="first N requests, before sampling")
-    g.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
+    g.add_argument("--limit", type=count, default=None, help="first N requests, before sampling")
+    g.add_argument("--sample", type=positive, default=None, help="fraction (<=1) or count (>1)")
     g.add_argument("--sample-by", default="auto", choices=SAMPLE_BY)
-    g.add_argument("--num-requests", type=int, default=None, help="send at most N")
+    g.add_argument("--num-requests", type=count, default=None, help="send at most N")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("timing")
     g.add_argument(
-        "--time-scale", type=float, default=None, help="x trace times (0.5 = 2x rate; default 1)"
+        "--time-scale", type=positive, default=None, help="x trace times (0.5 = 2x rate; default 1)"
     )
-    g.add_argument("--rate", type=float, default=None, help="ignore trace times: req/s")
+    g.add_argument("--rate", type=positive, default=None, help="ignore trace times: req/s")
     g.add_argument(
         "--load",
-        type=float,
+        type=positive,
         default=None,
         help="replay at this fraction of the target's capacity (the trace's arrival pattern, "
         "its clock scaled): measured first by a closed-loop probe (bench/probe.py), or --capacity",
     )
-    g.add_argument("--capacity", type=float, default=None, help="with --load: req/s, no probe")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    g.add_argument("--capacity", type=positive, default=None, help="with --load: req/s, no probe")
+    g.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape (1 = Poisson)")
     g.add_argument("--max-concurrency", type=int, default=64)
     g.add_argument("--duration", type=float, default=None, help="send nothing after N s")
     g.add_argument("--request-timeout", type=float, default=300.0)
@@ -505,8 +520,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--url: no URL given")
     if sum(x is not None for x in (args.rate, args.time_scale, args.load)) > 1:
         p.error("give one of --rate, --time-scale and --load")
-    if args.load is not None and args.load <= 0:
-        p.error("--load must be > 0")
     if args.capacity is not None and args.load is None:
         p.error("--capacity goes with --load")
     try:
@@ -576,13 +589,19 @@ def pace_to_capacity(
                 markup=False,
             )
     rate = load * capacity
-    scale = rate_time_scale(trace, rate)
+    try:
+        scale = rate_time_scale(trace, rate)
+        paced = scale_time(trace, scale)
+    except TraceError:
+        raise
+    except ValueError as e:  # a product past any float (--load 1e300 --capacity 1e10)
+        raise TraceError(f"--load {load:g} x capacity {capacity:g}: {e}") from e
     info.update(capacity_req_s=round(capacity, 4), rate=round(rate, 4), time_scale=round(scale, 6))
     console.print(
         f"pacing: capacity {capacity:.3g} req/s; replaying at {rate:.3g} req/s ({load:g}x)",
         markup=False,
     )
-    return scale_time(trace, scale), info
+    return paced, info
 
 
 def print_summary(res: dict[str, Any], console: Console) -> None:

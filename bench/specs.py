@@ -6,6 +6,7 @@ values take the type of the field's default, unknown keys fail loudly with the k
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -24,4 +25,8 @@ def parse_spec(cls: type[_T], text: str, what: str) -> _T:
             raise ValueError(f"unknown {what} parameter {k!r}; known: {sorted(known)}")
         typ = type(getattr(defaults, k))
         kw[k] = v.strip().lower() in ("1", "true", "yes") if typ is bool else typ(v.strip())
+        # float() takes "nan" and "inf": no rate, time or exponent of a trace is either, and
+        # they pass every range check (`nan <= 0` is False) into NaN arrival times.
+        if typ is float and not math.isfinite(kw[k]):
+            raise ValueError(f"{what} parameter {k} must be a finite number, not {v.strip()!r}")
     return cls(**kw)

@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -52,6 +53,7 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import xxhash
 
+from bench.argtypes import positive
 from bench.conversations import PREFIX as CONVERSATION
 from bench.conversations import ConversationSpec, conversation
 from bench.specs import parse_spec
@@ -90,18 +92,36 @@ class TraceRecord(NamedTuple):
 
 
 def load_mooncake(path: str | Path) -> Iterator[TraceRecord]:
-    """Records of a Mooncake JSONL trace (`timestamp` in ms), in file order."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    """Records of a Mooncake JSONL trace (`timestamp` in ms), in file order.
+
+    A line that is not a record (not JSON, a field missing or of the wrong type) is a
+    `TraceError` naming the line: in a file of 20k lines, "Expecting value: line 1 column 2"
+    does not say which one."""
+    for _, rec in _mooncake_lines(path):
+        yield rec
+
+
+def _mooncake_lines(path: str | Path) -> Iterator[tuple[int, TraceRecord]]:
+    """(line number, record) of every record of a Mooncake JSONL trace (`load_mooncake`)."""
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM written by Windows tools
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            yield TraceRecord(
-                float(row["timestamp"]) / 1000.0,
-                int(row["input_length"]),
-                int(row["output_length"]),
-                list(row.get("hash_ids", [])),
-            )
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise TypeError("a record must be a JSON object")
+                rec = TraceRecord(
+                    float(row["timestamp"]) / 1000.0,
+                    int(row["input_length"]),
+                    int(row["output_length"]),
+                    block_id_list(row.get("hash_ids", []), "hash_ids"),  # type: ignore[arg-type]
+                )
+            except KeyError as e:
+                raise TraceError(f"{path}:{n}: missing field {e}") from None
+            except (TypeError, ValueError) as e:
+                raise TraceError(f"{path}:{n}: {e}") from None
+            yield n, rec
 
 
 def _get_pool(min_len: int) -> np.ndarray:
@@ -192,7 +212,30 @@ class TraceRequest:
     prompt_token_ids: list[int] | None = None
 
     def validate(self) -> None:
-        """Raise ValueError on a record that would replay wrongly (checked at load, not per use)."""
+        """Raise ValueError on a record that would replay wrongly (checked at load, not per use).
+
+        Types too, for records a converter or a generator built rather than `from_json`: a NaN
+        or infinite time sorts anywhere, sums to NaN in every rate and sleeps forever in a
+        replay; a block id that is neither an int nor a string has no key (`chain_keys`); a
+        session id that is not a string is no header value and, as a list, no dict key."""
+        rid = self.request_id
+        if not math.isfinite(self.arrival_s):
+            raise ValueError(f"{rid}: arrival_s must be a finite number, not {self.arrival_s}")
+        if not isinstance(self.block_ids, list) or not all(
+            isinstance(b, int | str) and not isinstance(b, bool) for b in self.block_ids
+        ):
+            raise ValueError(f"{rid}: block_ids must be a list of integers or strings")
+        if self.session_id is not None and not isinstance(self.session_id, str):
+            raise ValueError(f"{rid}: session_id must be a string or null")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValueError(f"{rid}: prompt must be a string")
+        if self.prompt_token_ids is not None and (
+            not isinstance(self.prompt_token_ids, list)
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.prompt_token_ids
+            )
+        ):
+            raise ValueError(f"{rid}: prompt_token_ids must be a list of integers")
         if self.input_length < 1:
             raise ValueError(f"{self.request_id}: input_length must be >= 1")
         if self.output_length < 0:
@@ -232,12 +275,45 @@ class TraceRequest:
             input_length=int(d["input_length"]),
             output_length=int(d["output_length"]),
             block_size=int(d["block_size"]),
-            block_ids=list(d.get("block_ids") or []),
+            block_ids=block_id_list(d.get("block_ids")),
             tenant=str(d.get("tenant") or ""),
-            session_id=d.get("session_id"),
+            session_id=_session_id(d.get("session_id")),
             prompt=d.get("prompt"),
             prompt_token_ids=d.get("prompt_token_ids"),
         )
+
+
+def block_id_list(value: Any, name: str = "block_ids") -> list[BlockId]:
+    """A record's block ids as the schema has them: a list of ints and strings (null: none).
+
+    An integral float is its int (a writer that passed the ids through a float: `3.0` is id 3,
+    with the same key). Anything else is a ValueError rather than a guess: `list("ab")` would be
+    two ids, and a float, null or nested id has no key."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, not {type(value).__name__}")
+    if all(type(b) is int or type(b) is str for b in value):  # every real trace: no copy
+        return value
+    out: list[BlockId] = []
+    for b in value:
+        if isinstance(b, float) and b.is_integer():
+            out.append(int(b))
+        elif isinstance(b, int | str) and not isinstance(b, bool):
+            out.append(b)
+        else:
+            raise ValueError(f"{name} must hold integers or strings, not {b!r}")
+    return out
+
+
+def _session_id(value: Any) -> str | None:
+    """A record's session id as a string: a number names a session as well as its text does
+    (`7` and `"7"` are one session), but a list or an object names none."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    raise ValueError(f"session_id must be a string or a number, not {type(value).__name__}")
 
 
 @dataclass(slots=True)
@@ -293,7 +369,8 @@ def read_jsonl(path: str | Path) -> Trace:
     cannot be replayed is a `TraceError` naming its line."""
     reqs: list[TraceRequest] = []
     source, fmt, notes = str(path), "kvgate", []
-    with open(path, encoding="utf-8") as f:
+    lines: dict[str, int] = {}  # request id -> its line, for a duplicate's message
+    with open(path, encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -307,7 +384,12 @@ def read_jsonl(path: str | Path) -> Trace:
                 if d["kvgate_trace"] != SCHEMA_VERSION:
                     raise TraceError(f"{path}: schema version {d['kvgate_trace']} not supported")
                 fmt = f"kvgate (from {d.get('format', '?')})"
-                notes = list(d.get("notes") or [])
+                notes = d.get("notes") or []
+                if isinstance(notes, str):  # one note, not one per character
+                    notes = [notes]
+                if not isinstance(notes, list):
+                    raise TraceError(f"{path}:{n}: the header's notes must be a list of lines")
+                notes = [str(x) for x in notes]
                 continue
             try:
                 r = TraceRequest.from_json(d)
@@ -316,6 +398,12 @@ def read_jsonl(path: str | Path) -> Trace:
                 raise TraceError(f"{path}:{n}: missing field {e}") from None
             except (TypeError, ValueError) as e:
                 raise TraceError(f"{path}:{n}: {e}") from None
+            if r.request_id in lines:
+                raise TraceError(
+                    f"{path}:{n}: request_id {r.request_id!r} is already on line "
+                    f"{lines[r.request_id]} (request ids must be unique)"
+                )
+            lines[r.request_id] = n
             reqs.append(r)
     return Trace(sort_requests(reqs), source, fmt, notes)
 
@@ -335,8 +423,9 @@ def from_mooncake(path: str | Path) -> Trace:
 
     Ids are global to the file (a flattened prefix tree), so they stay plain ints.
     """
-    reqs = [
-        TraceRequest(
+    reqs = []
+    for i, (n, rec) in enumerate(_mooncake_lines(path)):
+        r = TraceRequest(
             arrival_s=rec.arrival_s,
             request_id=f"mooncake-{i}",
             input_length=rec.input_length,
@@ -344,10 +433,11 @@ def from_mooncake(path: str | Path) -> Trace:
             block_size=MOONCAKE_BLOCK_TOKENS,
             block_ids=list(rec.hash_ids),
         )
-        for i, rec in enumerate(load_mooncake(path))
-    ]
-    for r in reqs:
-        r.validate()
+        try:
+            r.validate()
+        except ValueError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        reqs.append(r)
     return Trace(sort_requests(reqs), str(path), "mooncake")
 
 
@@ -436,14 +526,23 @@ def from_azure(path: str | Path, model: AzurePrefixModel | None = None) -> Trace
     sys_len = [round(math.exp(rng.uniform(lo, hi))) for _ in range(m.tenants)]
     cum = list(np.cumsum(_zipf_weights(m.tenants, m.zipf_s)))
     rows: list[tuple[float, int, int]] = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: Excel's BOM
         reader = csv.reader(f)
-        header = next(reader)
+        header = next(reader, [])
         if [h.strip() for h in header[:3]] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
-            raise ValueError(f"{path}: not an Azure trace header: {header}")
+            raise TraceError(f"{path}: not an Azure trace header: {header}")
         for row in reader:
-            if row:
+            if not row:
+                continue
+            if len(row) < 3:  # a truncated or hand-edited row: its line, not an IndexError
+                raise TraceError(
+                    f"{path}:{reader.line_num}: expected 3 columns "
+                    f"(TIMESTAMP,ContextTokens,GeneratedTokens), found {len(row)}"
+                )
+            try:
                 rows.append((_parse_azure_time(row[0]), int(row[1]), int(row[2])))
+            except ValueError as e:
+                raise TraceError(f"{path}:{reader.line_num}: {e}") from None
     t0 = min((r[0] for r in rows), default=0.0)
     reqs = []
     for i, (t, ctx, gen) in enumerate(rows):
@@ -475,11 +574,23 @@ def from_weka(paths: str | Path | Sequence[str | Path], stagger_s: float = 60.0)
     """
     files = _weka_files(paths)
     reqs: list[TraceRequest] = []
+    sessions: set[str] = set()
     for k, fp in enumerate(files):
-        d = json.loads(Path(fp).read_text(encoding="utf-8"))
-        sid = str(d.get("id") or Path(fp).stem)
-        bs = int(d["block_size"])
-        _weka_session(reqs, d["requests"], sid, sid, bs, k * stagger_s)
+        # Every error names its file: a directory holds dozens of sessions.
+        try:
+            d = json.loads(Path(fp).read_text(encoding="utf-8-sig"))
+            if not isinstance(d, dict):
+                raise TypeError(f"a session file is a JSON object, not {type(d).__name__}")
+            # Two files with one id (a copied session) are two sessions, each its own id scope.
+            sid = _unique_session(str(d.get("id") or Path(fp).stem), sessions)
+            bs = int(d["block_size"])
+            _weka_session(reqs, d["requests"], sid, sid, bs, k * stagger_s, sessions)
+        except KeyError as e:
+            raise TraceError(f"{fp}: missing field {e}") from None
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"{fp}: {e}") from None
+        except OSError as e:
+            raise TraceError(f"{fp}: cannot read it: {e.strerror or e}") from None
     for r in reqs:
         r.validate()
     notes = [f"{len(files)} sessions staggered by {stagger_s:g} s, ids scoped per file"]
@@ -488,10 +599,28 @@ def from_weka(paths: str | Path | Sequence[str | Path], stagger_s: float = 60.0)
 
 
 def _weka_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The session files of a directory (or the files given). Dotfiles are not sessions:
+    macOS leaves a `._x.json` resource fork next to every file it copies, editors leave
+    `.x.json` swaps; nor is a subdirectory that happens to end in `.json`."""
     if isinstance(paths, str | Path):
         p = Path(paths)
-        return sorted(p.glob("*.json")) if p.is_dir() else [p]
+        if not p.is_dir():
+            return [p]
+        return sorted(f for f in p.glob("*.json") if not f.name.startswith(".") and f.is_file())
     return sorted(Path(p) for p in paths)
+
+
+def _unique_session(name: str, taken: set[str]) -> str:
+    """`name`, or `name~2`, `name~3`, ... when an earlier session of the trace has it (taken
+    now). Request ids are `<session>#<n>`: two sub-agents run under one `agent_id`, or two
+    files with one `id`, would otherwise give two requests one id, which every replay keys
+    requests by."""
+    out, k = name, 1
+    while out in taken:
+        k += 1
+        out = f"{name}~{k}"
+    taken.add(out)
+    return out
 
 
 def _weka_session(
@@ -501,12 +630,18 @@ def _weka_session(
     session: str,
     bs: int,
     start: float,
+    sessions: set[str],
 ) -> None:
+    if not isinstance(requests, list):
+        raise TypeError(f"{session}: requests must be a list, not {type(requests).__name__}")
     n = 0
     for r in requests:
+        if not isinstance(r, dict):
+            raise TypeError(f"{session}: a request is a JSON object, not {type(r).__name__}")
         if r.get("type") == "subagent":
-            sub = f"{session}/{r.get('agent_id', len(out))}"
-            _weka_session(out, r.get("requests", []), scope, sub, bs, start + float(r["t"]))
+            sub = _unique_session(f"{session}/{r.get('agent_id', len(out))}", sessions)
+            t = start + float(r["t"])
+            _weka_session(out, r.get("requests", []), scope, sub, bs, t, sessions)
             continue
         out.append(
             TraceRequest(
@@ -515,7 +650,7 @@ def _weka_session(
                 input_length=int(r["in"]),
                 output_length=int(r["out"]),
                 block_size=bs,
-                block_ids=[f"{scope}:{h}" for h in r["hash_ids"]],
+                block_ids=[f"{scope}:{h}" for h in block_id_list(r["hash_ids"], "hash_ids")],
                 tenant=scope,
                 session_id=session,
             )
@@ -557,8 +692,21 @@ class SyntheticSpec:
 
     @classmethod
     def parse(cls, text: str) -> SyntheticSpec:
-        """`synthetic:groups=8,users=4,rate=5` -> a spec (unknown keys fail loudly)."""
-        return parse_spec(cls, text, "synthetic")
+        """`synthetic:groups=8,users=4,rate=5` -> a spec (unknown keys fail loudly, and so do
+        values no trace can have: they used to fail deep in `synthetic` as an IndexError or a
+        ZeroDivisionError, or make records the reader refuses)."""
+        spec = parse_spec(cls, text, "synthetic")
+        if min(spec.groups, spec.users, spec.num_requests, spec.block_size) < 1:
+            raise ValueError("synthetic: groups, users, num_requests and block_size must be >= 1")
+        if spec.rate <= 0:
+            raise ValueError("synthetic: rate must be > 0 (requests per second)")
+        if min(spec.system_tokens, spec.question_tokens, spec.output_tokens) < 0:
+            raise ValueError(
+                "synthetic: system_tokens, question_tokens, output_tokens must be >= 0"
+            )
+        if spec.system_tokens + spec.question_tokens < 1:
+            raise ValueError("synthetic: system_tokens + question_tokens must be >= 1 (a prompt)")
+        return spec
 
 
 def synthetic(spec: SyntheticSpec) -> Trace:
@@ -597,22 +745,54 @@ def synthetic(spec: SyntheticSpec) -> Trace:
     return Trace(reqs, "synthetic", "synthetic", [spec.describe()])
 
 
+# `synthetic`, `synthetic:k=v,...`, `conversation:...`: a generator's spec, not a file name
+# (`conversations.jsonl` and `synthetic_trace.jsonl` are files).
+_GENERATOR_SPEC = re.compile(rf"(synthetic|{CONVERSATION})(:|\Z)")
+
+# How much of a file's first line format detection reads: a whole record however long (a
+# weka session file is one line of ~100 kB; a Mooncake line of 20k hash ids is ~150 kB), but
+# not a whole multi-GB file that has no newline.
+_FIRST_LINE_CHARS = 8 << 20
+
+
+def generator_of(path: str | Path) -> str | None:
+    """`synthetic` or `conversation` when `path` is that generator's spec, else None (a path).
+
+    Only the name itself or the name and a colon is a spec, and an existing path is a path
+    whatever its name: `cd bench/data/traces/mooncake && ... info synthetic_trace.jsonl` reads
+    the file rather than silently generating 2,000 synthetic requests in its place."""
+    m = _GENERATOR_SPEC.match(str(path))
+    if m is None or _exists(path):
+        return None
+    return m.group(1)
+
+
+def _exists(path: str | Path) -> bool:
+    """Whether `path` names something, where a name no file can have (a long generator spec
+    is one 255+ character file name: ENAMETOOLONG) names nothing rather than raising."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False
+
+
 def detect_format(path: str | Path) -> str:
     """`mooncake` | `azure` | `weka-agentic` | `kvgate` | `synthetic` | `conversation`, from the
     file's content (the generators from their spec)."""
-    text = str(path)
-    if text.startswith("synthetic"):
-        return "synthetic"
-    if text.startswith(CONVERSATION):
-        return CONVERSATION
+    gen = generator_of(path)
+    if gen is not None:
+        return gen
     p = Path(path)
     if p.is_dir():
-        if any(p.glob("*.json")):
+        if _weka_files(p):
             return "weka-agentic"
         raise TraceError(f"{p}: a directory without *.json session files")
-    with open(p, encoding="utf-8") as f:
-        head = f.read(4096)
-    first = head.lstrip().split("\n", 1)[0].strip()
+    with open(p, encoding="utf-8-sig") as f:  # -sig: a BOM is no format's first character
+        first = f.readline(_FIRST_LINE_CHARS)
+        while first and not first.strip():  # leading blank lines
+            first = f.readline(_FIRST_LINE_CHARS)
+        head = first + f.read(4096)  # a pretty-printed session file's keys follow its "{"
+    first = first.strip()
     if first.upper().startswith("TIMESTAMP,"):
         return "azure"
     if first.startswith("{"):
@@ -635,7 +815,7 @@ def detect_format(path: str | Path) -> str:
 def check_trace_path(path: str | Path) -> None:
     """Raise `TraceNotFoundError` (one readable line, naming the shipped samples) for a path that
     does not exist; `synthetic:...` and `conversation:...` specs are not paths."""
-    if str(path).startswith(("synthetic", CONVERSATION)) or Path(path).exists():
+    if generator_of(path) is not None or _exists(path):
         return
     from bench.paths import TRACES_DIR, shown
 
@@ -653,18 +833,44 @@ def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trac
     """Any supported trace, format detected unless given. `options` go to the converter.
 
     A trace that cannot be used (a malformed record, a bad generator spec such as
-    `conversation:sessions=0`) is a `TraceError` (one line for the CLIs, `exit_on_trace_error`);
-    the converter's own exception stays chained for a debugger."""
+    `conversation:sessions=0`, an unreadable file, two requests with one id) is a `TraceError`
+    (one line for the CLIs, `exit_on_trace_error`); the converter's own exception stays
+    chained for a debugger. An IndexError or AttributeError is one too: a converter that trips
+    on a shape it did not expect has still been given a file it cannot use, and the user needs
+    its name, not a traceback."""
     check_trace_path(path)
-    fmt = fmt or detect_format(path)
     try:
-        return _convert(path, fmt, options)
+        trace = _convert(path, fmt or detect_format(path), options)
     except TraceError:
         raise
     except KeyError as e:
         raise TraceError(f"{path}: missing field {e}") from e
     except (ValueError, TypeError) as e:
         raise TraceError(f"{path}: {e}") from e
+    except (IndexError, AttributeError) as e:
+        raise TraceError(f"{path}: malformed trace ({type(e).__name__}: {e})") from e
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read it: {e}") from e
+    seen: set[str] = set()
+    for r in trace.requests:  # every format (read_jsonl names the line first)
+        if r.request_id in seen:
+            raise TraceError(
+                f"{path}: request_id {r.request_id!r} appears twice (ids must be unique)"
+            )
+        seen.add(r.request_id)
+    return trace
+
+
+def _generated(spec: str, trace: Trace) -> Trace:
+    """A generator's trace held to the reader's rules: a spec the range checks let through
+    must still never make a record `read_jsonl` would refuse, nor a trace of no request that
+    `traces info` would describe as if it were one."""
+    for r in trace.requests:
+        r.validate()
+    if not trace.requests:
+        hint = " (no first turn fits max_input)" if trace.format == CONVERSATION else ""
+        raise TraceError(f"{spec}: the spec generates no request{hint}")
+    return trace
 
 
 def _convert(path: str | Path, fmt: str, options: dict[str, Any]) -> Trace:
@@ -678,9 +884,9 @@ def _convert(path: str | Path, fmt: str, options: dict[str, Any]) -> Trace:
         return read_jsonl(path)
     if fmt == "synthetic":
         spec = SyntheticSpec.parse(str(path))
-        return synthetic(spec)
+        return _generated(str(path), synthetic(spec))
     if fmt == CONVERSATION:
-        return conversation(ConversationSpec.parse(str(path)))
+        return _generated(str(path), conversation(ConversationSpec.parse(str(path))))
     raise TraceError(f"unknown trace format {fmt!r}")
 
 
@@ -709,8 +915,8 @@ def sample(
     also scales the rate (stated in the note); `keep_times=False` re-bases the sample at 0.
     """
     reqs = trace.requests
-    if amount <= 0:
-        raise ValueError("sample must be > 0")
+    if not (math.isfinite(amount) and amount > 0):  # inf: no count; NaN: no fraction
+        raise ValueError(f"sample must be a finite number > 0, not {amount:g}")
     if by == "auto":
         if reqs and all(r.session_id for r in reqs):
             by = "session"
@@ -772,10 +978,20 @@ def window(trace: Trace, start_s: float, duration_s: float) -> Trace:
     return trace.replace(out, f"window {start_s:g}-{start_s + duration_s:g} s")
 
 
+def check_time_scale(trace: Trace, time_scale: float) -> None:
+    """ValueError unless `time_scale` is a finite number > 0 that keeps every arrival of `trace`
+    finite (`--rate-scale 1e-320` is a time scale of inf; x1e300 overflows a long trace), so a
+    tool can check the scale it will run before it forks anything."""
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time scale must be a finite number > 0, not {time_scale:g}")
+    reqs = trace.requests
+    if reqs and not all(math.isfinite(r.arrival_s * time_scale) for r in (reqs[0], reqs[-1])):
+        raise ValueError(f"time scale x{time_scale:g} puts arrivals past any finite time")
+
+
 def scale_time(trace: Trace, time_scale: float) -> Trace:
     """Multiply every arrival time by `time_scale` (0.5 = twice the request rate)."""
-    if time_scale <= 0:
-        raise ValueError("time scale must be > 0")
+    check_time_scale(trace, time_scale)
     if time_scale == 1.0:
         return trace
     out = [_with_time(r, r.arrival_s * time_scale) for r in trace.requests]
@@ -799,8 +1015,8 @@ def rate_time_scale(trace: Trace, rate: float) -> float:
 
     A trace without a span has no rate to scale: asking for one is a `TraceError` rather than a
     replay that silently ignores the rate asked for."""
-    if rate <= 0:
-        raise ValueError("rate must be > 0")
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number > 0, not {rate:g}")
     base = mean_rate(trace)
     if base is None:
         raise TraceError(
@@ -827,11 +1043,15 @@ def retime_gamma(trace: Trace, rate: float, burstiness: float = 1.0, seed: int =
     `burstiness` is the gamma shape: 1 is Poisson, < 1 burstier, > 1 more regular; the mean gap
     stays 1/rate. Request order is kept.
     """
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
+    if not all(math.isfinite(x) and x > 0 for x in (rate, burstiness)):
+        raise ValueError(
+            f"rate and burstiness must be finite numbers > 0, not {rate:g}, {burstiness:g}"
+        )
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), len(trace.requests))
     times = np.concatenate([[0.0], np.cumsum(gaps)[:-1]]) if len(gaps) else gaps
+    if len(times) and not np.isfinite(times[-1]):  # a rate so low a gap overflows
+        raise ValueError(f"gamma arrivals at {rate:g} req/s run past any finite time")
     out = [_with_time(r, float(t)) for r, t in zip(trace.requests, times, strict=True)]
     return trace.replace(out, f"gamma arrivals {rate:g} req/s, burstiness {burstiness:g}")
 
@@ -1064,8 +1284,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("trace", help="file, weka session directory, or synthetic:k=v,...")
     c.add_argument("--out", required=True, type=Path, help="e.g. bench/out/my_trace.jsonl")
     c.add_argument("--format", default=None, help="skip detection")
-    c.add_argument("--sample", type=float, default=None, help="fraction (<=1) or count (>1)")
-    c.add_argument("--time-scale", type=float, default=1.0)
+    c.add_argument("--sample", type=positive, default=None, help="fraction (<=1) or count (>1)")
+    c.add_argument("--time-scale", type=positive, default=1.0)
     c.add_argument("--seed", type=int, default=0)
     i = sub.add_parser("info", help="counts, lengths and the infinite-cache bound of a trace")
     i.add_argument("trace")
@@ -1073,12 +1293,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         trace = load_trace(args.trace, args.format)
+        if args.cmd == "convert":
+            if args.sample is not None:
+                trace = sample(trace, args.sample, args.seed)
+            trace = scale_time(trace, args.time_scale)
     except TraceError as e:
         exit_on_trace_error(p.prog, e)
+    except ValueError as e:  # a transform's range, for a caller that skipped the flag types
+        exit_on_trace_error(p.prog, TraceError(str(e)))
     if args.cmd == "convert":
-        if args.sample:
-            trace = sample(trace, args.sample, args.seed)
-        trace = scale_time(trace, args.time_scale)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(args.out, trace)
         print(f"wrote {len(trace.requests)} requests to {args.out}")

@@ -38,6 +38,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bench.argtypes import positive
 from bench.paths import out_path, shown
 from bench.simulate import (
     PolicySpec,
@@ -53,7 +54,13 @@ from bench.simulate import (
     slo_from_args,
     trace_from_args,
 )
-from bench.traces import load_trace
+from bench.traces import (
+    Trace,
+    TraceError,
+    check_time_scale,
+    exit_on_trace_error,
+    load_trace,
+)
 from scoring.views import RoutingOptions, Weights
 
 # name -> (low, high, log scale): what the search may change. Tenant priority is left alone: it
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--config", type=Path, default=None, help="current config (default: defaults)")
     g.add_argument("--trials", type=int, default=24, help="simulations in all (default 24)")
     g.add_argument("--objective", choices=OBJECTIVES, default="goodput")
-    g.add_argument("--rate-scale", type=float, default=1.0, help="x the trace's request rate")
+    g.add_argument("--rate-scale", type=positive, default=1.0, help="x the trace's request rate")
     g.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (s)")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT (s)")
     g.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E (s)")
@@ -266,17 +273,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.trials < 2:
         p.error("--trials must be >= 2")
-    if args.rate_scale <= 0:
-        p.error("--rate-scale must be > 0")
     console = report_console()
     t0 = time.perf_counter()
     trace = trace_from_args(args, p.prog)
+    time_scale = 1.0 / args.rate_scale
+    try:
+        check_time_scale(trace, time_scale)
+    except ValueError as e:
+        p.error(f"--rate-scale: {e}")
+    # The second trace is read and checked before the search: a typo in its path used to be a
+    # traceback after minutes of trials, with nothing written.
+    second = validation_trace(args.validate, time_scale, p.prog) if args.validate else None
     ctx = RunContext(
         trace=trace, fleet=fleet_from_args(args), seed=args.seed, slo=slo_from_args(args)
     )
     ctx.bound_rate, ctx.pooled_rate = bound_rates(trace.requests, ctx.fleet)
     base = baseline(args.config)
-    time_scale = 1.0 / args.rate_scale
     done = search(
         ctx,
         base,
@@ -301,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "suggested": {"values": _values(best_c), "trial": best, **figures(best_r)},
         "trials": [{"values": _values(c), **figures(r)} for c, r in done],
     }
-    if args.validate:
-        second = load_trace(args.validate)
+    if second is not None:
         vctx = RunContext(trace=second, fleet=ctx.fleet, seed=args.seed, slo=ctx.slo)
         tasks = [
             SimTask(base.spec("current"), time_scale),
@@ -335,6 +346,19 @@ def main(argv: list[str] | None = None) -> int:
         plot(done, best, args.png)
         console.print(f"wrote {shown(args.png)}", markup=False)
     return 0
+
+
+def validation_trace(path: str, time_scale: float, prog: str) -> Trace:
+    """`--validate`'s trace, or one line on stderr and exit 2 when it cannot be used (missing,
+    malformed, without a request to replay, or not replayable at the search's time scale)."""
+    try:
+        trace = load_trace(path)
+        if not trace.requests:
+            raise TraceError(f"{path}: the trace has no request")
+        check_time_scale(trace, time_scale)
+    except ValueError as e:  # TraceError included
+        exit_on_trace_error(prog, TraceError(f"--validate: {e}"))
+    return trace
 
 
 def _values(c: Candidate) -> dict[str, float]:

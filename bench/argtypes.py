@@ -1,0 +1,35 @@
+"""Argparse types the bench CLIs share: a number flag checked as it is parsed.
+
+Why: a flag out of its range (`--rate-scale 0`, `--sample inf`, `--workers -1`) used to pass
+argparse and then fail deep in a run as a traceback, or be silently ignored where the code tested
+it for truth (`if args.rate_scale:`), or turn into NaN in a report. As a `type=` it is refused
+like any usage error, `prog: error: argument --rate-scale: ...` on one line with exit 2, before a
+trace is loaded or a process forked, and the same flag means the same range in every tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive(text: str) -> float:
+    """A finite number > 0: a rate, a scale, a load, a fraction or count to sample."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number >= 1: workers, blocks, tokens, requests to keep."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {text!r}")
+    return value
