@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import socket
@@ -13,6 +15,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -108,6 +111,22 @@ def settings_for(urls: list[str], **sections: dict[str, Any]) -> Settings:
     for k, v in sections.items():
         data[k] = v if isinstance(v, list) else {**data.get(k, {}), **v}
     return Settings(**data)
+
+
+def keyed_settings(
+    urls: list[str], key: str, usage_file: Path, tenant: dict[str, Any], **sections: Any
+) -> Settings:
+    """`settings_for` with one tenant, `t`, keyed by ``key`` (stored hashed) and limited by
+    ``tenant``, its usage records written to ``usage_file`` (`last_usage` reads them)."""
+    data = settings_for(urls, quota={"usage_file": str(usage_file)}, **sections).model_dump()
+    data["tenants"] = {"t": {"keys_sha256": [hashlib.sha256(key.encode()).hexdigest()], **tenant}}
+    return Settings(**data)
+
+
+async def last_usage(usage_file: Path) -> dict[str, Any]:
+    """The last usage record written to ``usage_file``, once there is one."""
+    await until(lambda: usage_file.exists() and usage_file.stat().st_size > 0, 10, "usage record")
+    return json.loads(usage_file.read_text().splitlines()[-1])  # noqa: ASYNC240 (a few lines)
 
 
 @dataclass

@@ -16,8 +16,6 @@ content event when continuous usage is asked for).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,14 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway.config import Settings
-from tests.gateway.conftest import MODEL, run_gateway, serve_app, settings_for, stub_app, until
+from tests.gateway.conftest import (
+    MODEL,
+    keyed_settings,
+    last_usage,
+    run_gateway,
+    serve_app,
+    stub_app,
+)
 
 KEY = "kvg-cut-stream"
 PROMPT = 9
@@ -123,22 +127,11 @@ async def run_cut(tmp_path: Path, **extra: Any) -> tuple[dict[str, Any], bytes, 
     seen: list[dict[str, Any]] = []
     usage_file = tmp_path / "usage.jsonl"
     async with serve_app(worker(seen)) as url:
-        data = settings_for([url]).model_dump()
-        data["tenants"] = {
-            "t": {
-                "keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                "tpm": 1_000_000,
-                "max_output_tokens": MAX_TOKENS,
-            }
-        }
-        data["quota"] = {**data.get("quota", {}), "usage_file": str(usage_file)}
-        async with run_gateway(Settings(**data)) as g:
+        limits = {"tpm": 1_000_000, "max_output_tokens": MAX_TOKENS}
+        async with run_gateway(keyed_settings([url], KEY, usage_file, limits)) as g:
             await g.wait_healthy(1)
             got = await cut_after_events(g, **extra)
-            await until(
-                lambda: usage_file.exists() and usage_file.stat().st_size > 0, 10, "usage record"
-            )
-    rec = json.loads(usage_file.read_text().splitlines()[-1])
+            rec = await last_usage(usage_file)
     return rec, got, seen[-1]
 
 

@@ -14,8 +14,6 @@ Review findings:
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,7 @@ import orjson
 import pytest
 
 from gateway.call import Usage
-from gateway.config import Settings
-from tests.gateway.conftest import MODEL, run_gateway, settings_for, until
+from tests.gateway.conftest import MODEL, keyed_settings, last_usage, run_gateway
 from tests.support.raw_worker import Script, raw_worker
 
 KEY = "kvg-framing"
@@ -97,17 +94,10 @@ async def run(
     """(the usage record, the body the client received); ``metrics`` gets the gateway's."""
     usage_file = tmp_path / "usage.jsonl"
     async with raw_worker(script(writes)) as (url, _posts):
-        data = settings_for([url]).model_dump()
-        data["tenants"] = {
-            "t": {
-                "keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                "tpm": 100_000,
-                "max_output_tokens": MAX_TOKENS,
-            }
-        }
-        data["quota"] = {**data.get("quota", {}), "usage_file": str(usage_file)}
-        data["timeouts"] = {"first_byte_s": 5, "idle_s": 5, "total_s": 15}
-        async with run_gateway(Settings(**data)) as g:
+        limits = {"tpm": 100_000, "max_output_tokens": MAX_TOKENS}
+        timeouts = {"first_byte_s": 5, "idle_s": 5, "total_s": 15}
+        s = keyed_settings([url], KEY, usage_file, limits, timeouts=timeouts)
+        async with run_gateway(s) as g:
             await g.wait_healthy(1)
             body = orjson.dumps(
                 {
@@ -126,13 +116,10 @@ async def run(
             )
             got = await asyncio.wait_for(r.read(), 20)
             w.close()
-            await until(
-                lambda: usage_file.exists() and usage_file.stat().st_size > 0, 10, "usage record"
-            )
+            rec = await last_usage(usage_file)
             assert all(wk.in_flight == 0 for wk in g.gw.registry.workers.values())
             if metrics is not None:
                 metrics.update(await g.metrics())
-    rec = json.loads(usage_file.read_text().splitlines()[-1])
     return rec, got
 
 

@@ -32,6 +32,16 @@ KEY = "kvg-token-cap"
 CAP = 130
 
 
+def capped(url: str) -> Settings:
+    """Token mode on MODEL (the simulator's tokenizer), one tenant capped at CAP input tokens."""
+    data = settings_for([url]).model_dump()
+    data["routing"] = {"token_mode": {"models": {MODEL: "sim"}}}
+    data["tenants"] = {
+        "t": {"keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "max_input_tokens": CAP}
+    }
+    return Settings(**data)
+
+
 def body(text: str) -> dict[str, object]:
     return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
 
@@ -46,26 +56,21 @@ async def test_the_tokenizers_count_refuses_what_the_estimate_let_through() -> N
         seen.append(await request.body())
         return JSONResponse(chat_completion())
 
-    async with serve_app(stub_app(ok)) as url:
-        data = settings_for([url]).model_dump()
-        data["routing"] = {"token_mode": {"models": {MODEL: "sim"}}}
-        data["tenants"] = {
-            "t": {
-                "keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                "max_input_tokens": CAP,
-            }
-        }
-        async with run_gateway(Settings(**data)) as g, httpx.AsyncClient(timeout=30) as c:
-            await g.wait_healthy(1)
-            auth = {"authorization": f"Bearer {KEY}"}
-            r = await c.post(g.url + "/v1/chat/completions", json=body(long), headers=auth)
-            assert r.status_code == 400, r.text
-            err = r.json()["error"]
-            assert f"{round(exact)} tokens" in err["message"] and err["param"] == "messages"
-            assert seen == []
-            r = await c.post(g.url + "/v1/chat/completions", json=body(short), headers=auth)
-            assert r.status_code == 200, r.text
-            assert len(seen) == 1
+    async with (
+        serve_app(stub_app(ok)) as url,
+        run_gateway(capped(url)) as g,
+        httpx.AsyncClient(timeout=30) as c,
+    ):
+        await g.wait_healthy(1)
+        auth = {"authorization": f"Bearer {KEY}"}
+        r = await c.post(g.url + "/v1/chat/completions", json=body(long), headers=auth)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert f"{round(exact)} tokens" in err["message"] and err["param"] == "messages"
+        assert seen == []
+        r = await c.post(g.url + "/v1/chat/completions", json=body(short), headers=auth)
+        assert r.status_code == 200, r.text
+        assert len(seen) == 1
 
 
 FINE = "a," * 248  # the estimate's 125 tokens (496 bytes / 4), the tokenizer's 496
@@ -104,25 +109,20 @@ async def test_a_completions_batch_and_its_suffix_count_whole(
 
     app = stub_app(ok)
     app.router.routes.append(Route("/v1/completions", ok, methods=["POST"]))
-    async with serve_app(app) as url:
-        data = settings_for([url]).model_dump()
-        data["routing"] = {"token_mode": {"models": {MODEL: "sim"}}}
-        data["tenants"] = {
-            "t": {
-                "keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                "max_input_tokens": CAP,
-            }
-        }
-        async with run_gateway(Settings(**data)) as g, httpx.AsyncClient(timeout=30) as c:
-            await g.wait_healthy(1)
-            r = await c.post(
-                g.url + "/v1/completions",
-                json={"model": MODEL, "max_tokens": 1, **extra},
-                headers={"authorization": f"Bearer {KEY}"},
-            )
-            if over:
-                assert r.status_code == 400, r.text
-                assert r.json()["error"]["param"] == "prompt" and seen == []
-            else:
-                assert r.status_code == 200, r.text
-                assert len(seen) == 1
+    async with (
+        serve_app(app) as url,
+        run_gateway(capped(url)) as g,
+        httpx.AsyncClient(timeout=30) as c,
+    ):
+        await g.wait_healthy(1)
+        r = await c.post(
+            g.url + "/v1/completions",
+            json={"model": MODEL, "max_tokens": 1, **extra},
+            headers={"authorization": f"Bearer {KEY}"},
+        )
+        if over:
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "prompt" and seen == []
+        else:
+            assert r.status_code == 200, r.text
+            assert len(seen) == 1
