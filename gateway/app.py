@@ -174,6 +174,7 @@ class Gateway:
                 on_freed=self.admission.kick,
                 metrics=self.metrics.registry,
                 state=self.routing_state,
+                retired=self._retired_running,
             )
         self.autoscale = DesiredWorkers(to_core(settings.autoscale, AutoscaleSettings))
         self.metrics.registry.register(
@@ -317,6 +318,11 @@ class Gateway:
                 return True
             await asyncio.sleep(0.02)
         return not self._in_flight() and not self._walks
+
+    def _retired_running(self) -> list[Worker]:
+        """Records a reload removed (or replaced) whose requests still run: [cluster] publishes
+        their load, under the name and URL they ran at, until the last one ends."""
+        return [w for w in self._retired if w.in_flight > 0 or w.prefill_tokens > 0]
 
     def _in_flight(self) -> int:
         """Requests on any worker, those a reload removed (or moved to a new URL) included:

@@ -22,7 +22,17 @@ and sets ``Worker.remote_in_flight`` / ``remote_prefill_tokens`` from the sums
 (`workers.load_view`). The request path never waits on Redis: it reads two ints per worker that
 this task refreshed. Routing signals (`Worker.view`), `Slots.worker_room` (fleet-wide
 `max_concurrency`) and admission room all count them; ``Worker.in_flight`` stays this replica's
-own (what it must release, and what drain waits for).
+own (what it must release, and what drain waits for). Load is per worker name and URL (a name
+moved to a new server is another worker until every replica has moved it), and a worker this
+replica removed keeps its published load until the requests running there end.
+
+Fleet-wide `max_concurrency` is therefore a bound with slack, not a lock: each replica admits
+against the others' load as it last read it, up to two intervals plus a round trip old. When room
+appears while N replicas have requests waiting for that worker, each fills it before it sees the
+others do, so the worker can run up to N x its cap for as long as those requests run (two
+replicas, cap 2: 4 ran at once in a burst; above the cap 6.8% of the time under sustained
+overload). A shorter interval narrows the window; a lock in Redis on every dispatch would put a
+round trip on the request path.
 
 Why polling a hash and not pub/sub: measured once with 4 and 8 replicas on one local Redis (all
 replicas in one process on 2 shared cores; delay = a change on replica 0 until replica 1 saw it,
@@ -96,10 +106,12 @@ What is replayed must stay true, and the same on every replica:
   session notes only.
 
 Liveness is judged on each reader's own clock (`workers.load_view`): a peer whose sequence number
-has not moved for ``expiry_s`` counts for nothing, and readers delete its field. Redis down: every
-sync fails fast, the outage is logged once (and its end once), ``kvgate_cluster_state`` says
-``degraded``, the peers' contributions lapse after ``expiry_s`` (routing on the local view, never on
-counts that only grow staler), and the next successful round trip restores everything.
+has not moved for ``expiry_s`` counts for nothing, and readers delete its field (only one whose
+heartbeat stood still for ``expiry_s`` while they were reading: not after their own pause or
+outage). Redis down: every sync fails fast, the outage is logged once (and its end once),
+``kvgate_cluster_state`` says ``degraded``, the peers' contributions lapse after ``expiry_s``
+(routing on the local view, never on counts that only grow staler), and the next successful round
+trip restores everything.
 """
 
 from __future__ import annotations
@@ -112,7 +124,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -132,6 +144,7 @@ from scoring.state import RoutingState
 from workers.learned_share import decode_batch, frame_batch, pack_entry
 from workers.load_view import Load, LoadView, encode_snapshot
 from workers.registry import Registry
+from workers.worker import Worker
 
 log = logging.getLogger("kvgate.cluster")
 
@@ -243,8 +256,13 @@ class ClusterSync:
         client: Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
         state: RoutingState | None = None,
+        retired: Callable[[], Iterable[Worker]] | None = None,
     ) -> None:
         self.registry = registry
+        # Worker records this replica's fleet no longer holds (a reload or /admin/workers removed
+        # the worker, or pointed its name at a new URL) whose requests still run on that server:
+        # their load is published too (`local_loads`).
+        self.retired = retired
         self.replica_id = replica_id or make_replica_id()
         self.url = redis_url
         self.key = cfg.key_prefix + "load"
@@ -261,6 +279,9 @@ class ClusterSync:
         self.state: State = "starting"
         self.seq = 0
         self.last_ok_at: float | None = None
+        # When the last successful round trip was sent, on this clock: what it read was Redis'
+        # state at that time or later (`_sync_load` judges peers' expiry as of it).
+        self._read_sent_at: float | None = None
         self.down_since = 0.0
         self.failures = 0
         self.outages = 0
@@ -397,12 +418,22 @@ class ClusterSync:
             await asyncio.sleep(due - now)
 
     # -- one round trip ----------------------------------------------------------------------
-    def local_loads(self) -> dict[str, Load]:
-        return {
-            w.name: (w.in_flight, w.prefill_tokens)
-            for w in self.registry.workers.values()
-            if w.in_flight > 0 or w.prefill_tokens > 0
-        }
+    def local_loads(self) -> dict[tuple[str, str], Load]:
+        """This replica's load per worker (name, URL): the fleet's records, and the retired
+        records still running somewhere. Before, only the fleet's: a replica that dropped a
+        worker (or moved its name to a new URL) while its requests ran there published none of
+        them at once, and a replica that still routed there saw the server empty and filled it
+        past its cap (cap 4: 8 ran)."""
+        out: dict[tuple[str, str], Load] = {}
+        workers: Iterable[Worker] = self.registry.workers.values()
+        gone = self.retired() if self.retired is not None else ()
+        for group in (workers, gone):
+            for w in group:
+                if w.in_flight > 0 or w.prefill_tokens > 0:
+                    key = (w.name, w.url)
+                    i, t = out.get(key, (0, 0))
+                    out[key] = (i + w.in_flight, t + w.prefill_tokens)
+        return out
 
     async def sync_once(self) -> bool:
         """Write this replica's snapshot (and its new dispatches), read everyone's, apply. False
@@ -435,12 +466,20 @@ class ClusterSync:
     async def _sync_load(self) -> bool:
         self.seq += 1
         blob = encode_snapshot(self.seq, self.local_loads())
-        # Peers this replica saw go quiet while it was reading Redis. Not after its own outage:
-        # then every peer looks expired to a view that could not read (a replica whose link was
-        # down past expiry_s deleted every live peer's snapshot on its first sync back, and a
-        # replica starting then counted none of their load; review finding).
-        gone = [r for r in self.view.expired() if r in self._in_store] if self.state == "ok" else []
+        # Peers this replica saw go quiet while it was reading Redis: expired as of its last
+        # successful read, not as of now. After a gap in its own reads, every peer looks expired
+        # to a view that could not read: a replica whose link was down past expiry_s, or whose
+        # process was paused as long (SIGSTOP, a long GC, a starved container) with Redis fine,
+        # deleted every live peer's snapshot on its first sync back, and a replica starting then
+        # counted none of their load (review findings). As of the last read's send, a peer
+        # looks expired only if that read, too, found its heartbeat still: it stood still for
+        # expiry_s of the time this replica was reading, pauses in between or not.
+        read_at = self._read_sent_at
+        gone: list[str] = []
+        if self.state == "ok" and read_at is not None:
+            gone = [r for r in self.view.expired(read_at) if r in self._in_store]
         keep_ms = self._keep_ms()
+        sent = self.clock()
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.op_timeout_s):
@@ -463,6 +502,7 @@ class ClusterSync:
         for r in gone:
             fields.pop(r, None)
         self._in_store = fields
+        self._read_sent_at = sent
         self._up(now)
         self.apply(now)
         return True
@@ -784,11 +824,16 @@ class ClusterSync:
                 state.forget_learned(name)
 
     def apply(self, now: float | None = None) -> None:
-        """Set every worker's remote load from the live peers' sums (zero for the rest)."""
-        totals = self.view.totals(now)
+        """Set every worker's remote load from the live peers' sums (zero for the rest): what
+        they run at this worker's name and URL, and what an older peer, which names no URL,
+        runs under its name."""
+        totals = self.view.site_totals(now)
         freed = False
         for w in self.registry.workers.values():
-            i, t = totals.get(w.name, (0, 0))
+            i, t = totals.get((w.name, w.url), (0, 0))
+            old = totals.get((w.name, None))
+            if old is not None:
+                i, t = i + old[0], t + old[1]
             if w.remote_in_flight != i or w.remote_prefill_tokens != t:
                 freed |= i < w.remote_in_flight
                 w.remote_in_flight, w.remote_prefill_tokens = i, t

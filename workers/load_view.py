@@ -15,6 +15,15 @@ so after ``expiry_s`` the remote totals are zero and the replica routes on its o
 rather than on counts that grow staler forever. A peer that vanishes from a successful read is kept
 until it expires too: a store that restarted empty gets every live replica's snapshot back within
 one interval, and in that interval the fleet-wide limits must not read "nobody else is busy".
+
+A worker is named in a snapshot by its name AND its URL: a name is the operator's label, the URL
+the server. During a rollout that points a name at a new server, one replica (reloaded) routes it
+to the new server while another (not yet) still sends it to the old one; matched by name alone,
+the reloaded replica credited its new, idle server with the other's load on the old one (room 0,
+its requests queued or were refused). So a reader counts a peer's load only into its own worker
+of the same name and URL. The URLs travel in a field (``u``) that older readers ignore, beside the
+per-name sums (``w``) they read; an older peer's snapshot has no URL and counts by name, as it
+did (a rolling upgrade: both versions keep counting each other).
 """
 
 from __future__ import annotations
@@ -25,10 +34,13 @@ from dataclasses import dataclass, field
 
 import orjson
 
-__all__ = ["Load", "LoadView", "Snapshot", "decode_snapshot", "encode_snapshot"]
+__all__ = ["Load", "LoadView", "Site", "Snapshot", "decode_snapshot", "encode_snapshot"]
 
 # (requests in flight, queued-prefill tokens) one replica has on one worker.
 Load = tuple[int, int]
+# A worker as a snapshot names it: (name, URL); the URL is None in an older version's snapshot,
+# which named workers alone.
+Site = tuple[str, str | None]
 
 _VERSION = 1
 # A peer's count on one worker, at most (requests in flight, queued-prefill tokens): far above
@@ -41,18 +53,66 @@ MAX_PREFILL_TOKENS = 1 << 40
 
 @dataclass(slots=True, frozen=True)
 class Snapshot:
-    """One replica's published load: ``seq`` moves on every publish (the heartbeat)."""
+    """One replica's published load: ``seq`` moves on every publish (the heartbeat). ``loads``
+    per worker name (every URL summed: what an older reader sees), ``sites`` per (name, URL)."""
 
     seq: int
     loads: dict[str, Load] = field(default_factory=dict)
+    sites: dict[Site, Load] = field(default_factory=dict)
 
 
-def encode_snapshot(seq: int, loads: Mapping[str, Load]) -> bytes:
-    """Workers with no load are left out: absent means (0, 0), and most of a big fleet is idle
-    from any one replica's side at any instant."""
-    return orjson.dumps(
-        {"v": _VERSION, "seq": seq, "w": {n: [i, p] for n, (i, p) in loads.items() if i or p}}
-    )
+def encode_snapshot(seq: int, loads: Mapping[tuple[str, str], Load] | Mapping[str, Load]) -> bytes:
+    """``loads`` per (worker name, URL), or per name alone (what an older version wrote: it
+    reads back with no URL). Workers with no load are left out: absent means (0, 0), and most
+    of a big fleet is idle from any one replica's side at any instant.
+
+    ``w`` holds the per-name sums, byte for byte what an older version writes and reads (it
+    ignores ``u``): one name on two servers here (a retired record still running on the old
+    URL) is one sum there, as that version counts it. ``u`` holds [name, URL, in flight, queued
+    prefill] per server."""
+    by_name: dict[str, list[int]] = {}
+    sites: list[list[object]] = []
+    for key, (i, p) in loads.items():
+        if not (i or p):
+            continue
+        name = key if isinstance(key, str) else key[0]
+        if not isinstance(key, str):
+            sites.append([name, key[1], i, p])
+        cur = by_name.get(name)
+        if cur is None:
+            by_name[name] = [i, p]
+        else:
+            cur[0] += i
+            cur[1] += p
+    doc: dict[str, object] = {"v": _VERSION, "seq": seq, "w": by_name}
+    if sites:
+        doc["u"] = sites
+    return orjson.dumps(doc)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _sites(u: object) -> dict[Site, Load] | None:
+    """A snapshot's ``u`` field, or None when it is not a list (a later version's other shape:
+    the per-name ``w`` is then what counts). Bad entries are dropped, the rest stand."""
+    if not isinstance(u, list):
+        return None
+    out: dict[Site, Load] = {}
+    for e in u:
+        if (
+            isinstance(e, list)
+            and len(e) == 4
+            and isinstance(e[0], str)
+            and isinstance(e[1], str)
+            and _count(e[2])
+            and _count(e[3])
+        ):
+            key = (e[0], e[1])
+            i, p = out.get(key, (0, 0))
+            out[key] = (min(i + e[2], MAX_IN_FLIGHT), min(p + e[3], MAX_PREFILL_TOKENS))
+    return out
 
 
 def decode_snapshot(raw: bytes) -> Snapshot | None:
@@ -68,13 +128,12 @@ def decode_snapshot(raw: bytes) -> Snapshot | None:
             return None
         loads: dict[str, Load] = {}
         for name, v in w.items():
-            if (
-                isinstance(v, list)
-                and len(v) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-            ):
+            if isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v):
                 loads[name] = (min(v[0], MAX_IN_FLIGHT), min(v[1], MAX_PREFILL_TOKENS))
-        return Snapshot(seq, loads)
+        sites = _sites(d.get("u"))
+        if sites is None:  # an older peer: its workers by name alone
+            return Snapshot(seq, loads, {(n, None): v for n, v in loads.items()})
+        return Snapshot(seq, loads, sites)
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
 
@@ -84,6 +143,7 @@ class _Peer:
     seq: int
     moved_at: float  # reader's clock when seq last changed (or was first seen)
     loads: dict[str, Load]
+    sites: dict[Site, Load]
 
 
 class LoadView:
@@ -127,9 +187,9 @@ class LoadView:
             bad.pop(rid, None)
             p = self.peers.get(rid)
             if p is None:
-                self.peers[rid] = _Peer(snap.seq, now, snap.loads)
+                self.peers[rid] = _Peer(snap.seq, now, snap.loads, snap.sites)
             elif p.seq != snap.seq:
-                p.seq, p.moved_at, p.loads = snap.seq, now, snap.loads
+                p.seq, p.moved_at, p.loads, p.sites = snap.seq, now, snap.loads, snap.sites
         self._forget(now)
 
     def _forget(self, now: float) -> None:
@@ -160,7 +220,8 @@ class LoadView:
         return sorted(dead)
 
     def totals(self, now: float | None = None) -> dict[str, Load]:
-        """Per worker, the live peers' in-flight requests and queued-prefill tokens, summed."""
+        """Per worker name, the live peers' in-flight requests and queued-prefill tokens, summed
+        over every URL they run it at."""
         if now is None:
             now = self.clock()
         out: dict[str, Load] = {}
@@ -170,4 +231,18 @@ class LoadView:
             for name, (i, t) in p.loads.items():
                 cur = out.get(name)
                 out[name] = (i, t) if cur is None else (cur[0] + i, cur[1] + t)
+        return out
+
+    def site_totals(self, now: float | None = None) -> dict[Site, Load]:
+        """Per (worker name, URL), the live peers' load, summed; an older peer's under (name,
+        None): a reader adds those to its worker of that name, whatever its URL."""
+        if now is None:
+            now = self.clock()
+        out: dict[Site, Load] = {}
+        for p in self.peers.values():
+            if not self._alive(p, now):
+                continue
+            for key, (i, t) in p.sites.items():
+                cur = out.get(key)
+                out[key] = (i, t) if cur is None else (cur[0] + i, cur[1] + t)
         return out
