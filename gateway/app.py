@@ -321,8 +321,12 @@ class Gateway:
 
     def _retired_running(self) -> list[Worker]:
         """Records a reload removed (or replaced) whose requests still run: [cluster] publishes
-        their load, under the name and URL they ran at, until the last one ends."""
-        return [w for w in self._retired if w.in_flight > 0 or w.prefill_tokens > 0]
+        their load, under the name and URL they ran at, until the last one ends. Those done are
+        dropped here too (every publish interval), not only when a drain counts them."""
+        gone = self._retired
+        if gone:
+            gone[:] = [w for w in gone if w.in_flight > 0 or w.prefill_tokens > 0]
+        return gone
 
     def _in_flight(self) -> int:
         """Requests on any worker, those a reload removed (or moved to a new URL) included:
