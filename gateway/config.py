@@ -296,7 +296,7 @@ class UpstreamSettings(_Section):
     # HTTP client used to relay to workers; chosen by measurement (see bench/overhead.py).
     client: Literal["h1", "aiohttp", "httpx"] = "h1"
     max_connections: int = Field(1024, ge=1)
-    keepalive_s: float = Field(30.0, gt=0)
+    keepalive_s: float = Field(4.0, gt=0)
 
 
 class ModelQuotaSettings(_Section):

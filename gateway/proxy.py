@@ -29,8 +29,10 @@ from gateway.slots import Slots
 from gateway.upstream import (
     UpstreamClient,
     UpstreamConnectError,
+    UpstreamPoolFull,
     UpstreamResponse,
     UpstreamStreamError,
+    ended_pool_wait,
 )
 from scoring.policy import Policy
 from workers.deadlines import Deadlines
@@ -221,6 +223,23 @@ class Proxy:
                     handed_off = True
                     served = True
                     return RelayResponse(life, call, worker, resp, first, headers, t, deadline)
+                except UpstreamPoolFull:
+                    if self.closing is not None:  # the drain's cut ended the wait for a slot
+                        raise self._shut_down(call, worker) from None
+                    # Every upstream connection (`upstream.max_connections`, all workers) stayed
+                    # busy for the attempt's whole deadline: the request never left the gateway.
+                    # The worker never saw it, so it is not blamed (blamed, idle workers were
+                    # ejected under a spike); another worker needs a slot from the same pool, so
+                    # no retry either: the client is told to come back, nothing was generated.
+                    call.upstream_sent = False
+                    life.refused(worker, call)
+                    raise APIError(
+                        503,
+                        "The gateway has no free connection to its workers; retry shortly.",
+                        "service_unavailable",
+                        code="upstream_pool_full",
+                        retry_after_s=1.0,
+                    ) from None
                 except UpstreamConnectError as e:
                     call.upstream_sent = False
                     # Clients get a stable message; the log gets what the socket said (failed).
@@ -338,13 +357,18 @@ class Proxy:
             raise TimeoutError
         call.upstream_sent = True
         call.t_sent = time.perf_counter()
-        with self.deadlines.within(timeout):
-            return await self.client.post(
-                worker.url + call.path,
-                call.body,
-                headers,
-                functools.partial(self.life.learned, call, worker),
-            )
+        try:
+            with self.deadlines.within(timeout):
+                return await self.client.post(
+                    worker.url + call.path,
+                    call.body,
+                    headers,
+                    functools.partial(self.life.learned, call, worker),
+                )
+        except TimeoutError as e:
+            if ended_pool_wait(e):  # the gateway's own pool, not the worker, was too slow
+                raise UpstreamPoolFull from None
+            raise
 
     async def _first_chunk(
         self, resp: UpstreamResponse, timeout: float

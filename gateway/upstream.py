@@ -24,6 +24,17 @@ class UpstreamStreamError(Exception):
     """The worker's response broke off (reset, truncated chunked body)."""
 
 
+class UpstreamPoolFull(Exception):
+    """No connection slot (`upstream.max_connections`, across all workers) came free within the
+    attempt's deadline: the request never left the gateway, so no worker is to blame for it."""
+
+
+def ended_pool_wait(e: BaseException) -> bool:
+    """Whether ``e``, the TimeoutError of a `Deadlines` wait around `post`, ended the wait for a
+    pool slot (`H1Upstream._acquire` marks the cancellation) rather than a worker's answer."""
+    return getattr(e.__cause__, "kvgate_pool_wait", False) is True
+
+
 class UpstreamResponse(Protocol):
     status: int
     headers: Mapping[str, str]
@@ -89,6 +100,12 @@ class _AiohttpResponse:
 
 
 class AiohttpUpstream:
+    """Known gap (https workers, and `upstream.client = "aiohttp"`): aiohttp's ``connect``
+    timeout includes the wait for a free pool slot, so a pool full of busy streams fails the
+    waiting requests as connect timeouts, blamed on a worker that never saw them; the h1 client
+    answers that wait with `UpstreamPoolFull` (a 503, no blame). Nor does aiohttp reconnect when
+    a pooled connection turns out stale (the h1 client's `_resend`)."""
+
     def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
         self._connector = aiohttp.TCPConnector(
             limit=max_connections,

@@ -54,6 +54,11 @@ HIGH_WATER = 256 * 1024
 # read, stalled the event loop 80-160 ms a read. vLLM's heads are a few hundred bytes.
 HEAD_MAX = 64 * 1024
 HEADERS_MAX = 256
+# Bytes a response may send in a row without a body byte once its head is parsed: in practice
+# its trailer section (after a chunked body's last chunk), which vLLM never sends. httptools
+# bounds none of it and re-joins a trailer value on every read (quadratic, as a head's), so a
+# worker sending one without end grew the gateway without bound; past this it is malformed.
+DRY_MAX = 16 * 1024
 
 
 class _Unsolicited(Exception):
@@ -77,6 +82,7 @@ class _Conn(asyncio.Protocol):
         # of the socket, not of one response, so `_reset` leaves it, and `release` never pools a
         # paused connection (its next request would never be read: a first-byte timeout).
         self.paused = False
+        self.dry_at = 0  # `pulled` when `dry` was last counted: body read since starts anew
         self._reset()
         # No request in flight yet: a message the worker starts now is unsolicited.
         self.done = True
@@ -84,6 +90,7 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0  # 0 until the final head is parsed: reads until then are head bytes
         self.head_bytes = 0
+        self.dry = 0  # bytes read since the head with no body byte among them (`_dried`)
         self.interim = False  # parsing a 1xx response that precedes the real one
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.head: asyncio.Future[None] | None = None
@@ -115,6 +122,7 @@ class _Conn(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             # HttpParserUpgrade is no HttpParserError: uncaught, asyncio logged a fatal error.
+            self.head_bytes += len(data)  # the worker did answer (`H1Upstream._resend` asks)
             self._to_sink()
             if not self.done:  # an unsolicited message after a whole answer fails nothing
                 self._fail(f"malformed response from worker: {e}")
@@ -128,6 +136,21 @@ class _Conn(asyncio.Protocol):
                 return
         if self.batch:
             self._to_sink()
+        elif self.status and not self.body and not self.done:
+            # No body byte in this read (a sink's reads carry theirs in `batch`, a reader's in
+            # `body`), so the flag checks above are all a body's read pays.
+            self._dried(len(data))
+
+    def _dried(self, n: int) -> None:
+        """``n`` bytes read after the head carried no body: a split chunk header now and then,
+        or a trailer section, which is bounded here (`DRY_MAX`)."""
+        if self.pulled != self.dry_at:  # body came in between: a new run
+            self.dry_at = self.pulled
+            self.dry = 0
+        self.dry += n
+        if self.dry > DRY_MAX:
+            self._fail(f"malformed response from worker: over {DRY_MAX} bytes after the body")
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -162,6 +185,10 @@ class _Conn(asyncio.Protocol):
             raise _Unsolicited
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.status:
+            # A trailer field (after a chunked body's last chunk): dropped, as aiohttp does.
+            # Kept, it overrode the head's field of the same name (the client's content-type).
+            return
         raw = self.raw_headers
         if len(raw) >= HEADERS_MAX:
             self._fail(f"malformed response from worker: over {HEADERS_MAX} header lines")
@@ -243,9 +270,13 @@ class _Conn(asyncio.Protocol):
         return data
 
     def close(self) -> None:
+        """Abort, not `transport.close()`: a connection is closed here only when nothing more
+        is to be sent on it, and close() waits for unsent request bytes to drain first, which
+        a worker that stopped reading (a hung process, a zero TCP window) never lets happen:
+        the socket and the body it holds leaked, outside the pool's count."""
         self.closed = True
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
 
 class _RawHeaders(Mapping[str, str]):
@@ -429,6 +460,7 @@ class H1Upstream:
             return await self._tls.post(url, body, headers, sent)
         key, line = self._target(url)
         conn = self._pop_idle(key, time.monotonic())
+        reused = conn is not None
         if conn is None:
             if sent is not None:
                 sent()
@@ -445,11 +477,40 @@ class H1Upstream:
             head.append(b"content-length: %d\r\n\r\n" % len(body))
             head.append(body)
             assert conn.transport is not None and conn.head is not None
-            conn.transport.write(b"".join(head))
+            request = b"".join(head)
+            conn.transport.write(request)
             if sent is not None:
                 sent()
             await conn.head
+        except UpstreamConnectError:
+            self.discard(conn)
+            if not reused or conn.head_bytes or conn.status:
+                raise
+            return await self._resend(key, request)
         except BaseException:  # connect error, timeout, cancellation: the connection is spent
+            self.discard(conn)
+            raise
+        return _Response(self, conn)
+
+    async def _resend(self, key: tuple[str, int], request: bytes) -> _Response:
+        """The request again, once, on a new connection to the same worker: the pooled one it
+        went out on ended (EOF or reset) before a byte of answer. That is the worker's idle
+        keep-alive closing it as the request arrived (uvicorn, vLLM's server, closes idle
+        connections after 5 s), not a failure: failed, the worker was blamed and a model's
+        only worker answered the client 502. Sending it again is safe: uvicorn closes a
+        connection only between requests, so a request it read whole gets an answer (or, the
+        worker dying, no connection comes up for this one); a request it cut off mid-read was
+        never started. A new connection that fails the same way is the worker's failure."""
+        conn = await self._acquire(key)
+        if conn.closed:
+            self.discard(conn)
+            raise UpstreamConnectError("worker closed the connection")
+        try:
+            conn.begin(asyncio.get_running_loop())
+            assert conn.transport is not None and conn.head is not None
+            conn.transport.write(request)
+            await conn.head
+        except BaseException:
             self.discard(conn)
             raise
         return _Response(self, conn)
@@ -483,9 +544,15 @@ class H1Upstream:
             self._waiters.append(fut)
             try:
                 await fut
-            except BaseException:
+            except BaseException as e:
                 if fut.done() and not fut.cancelled():
                     self._wake_one()  # pass on a wake-up we were given but will not use
+                if isinstance(e, asyncio.CancelledError):
+                    # The caller's deadline (or its client leaving) ended a wait for a slot,
+                    # not for a worker: marked so the deadline's TimeoutError can say so
+                    # (`ended_pool_wait`: the proxy answers 503, blaming no worker). A plain
+                    # cancellation stays one.
+                    e.kvgate_pool_wait = True  # type: ignore[attr-defined]
                 raise
             c = self._pop_idle(key, time.monotonic())
             if c is not None:
