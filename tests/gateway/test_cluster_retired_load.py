@@ -13,40 +13,10 @@ import pytest
 from bench.redis_server import RedisServer
 from gateway.app import Gateway
 from gateway.call import Call
-from gateway.cluster import ClusterSync
-from gateway.config import Settings
 from scoring.views import RouteRequest
-from tests.gateway.conftest import MODEL, settings_for
+from tests.gateway.cluster_pair import CAP, NEW, OLD, pair_settings, probed, sync_of, tick
+from tests.gateway.conftest import MODEL
 from workers.worker import Worker
-
-CARDS = [{"id": MODEL, "object": "model"}]
-CAP = 4
-OLD = "http://127.0.0.1:9"
-NEW = "http://127.0.0.1:11"
-
-
-def _settings(redis_url: str, prefix: str, w0: str | None) -> Settings:
-    workers = [{"name": "w1", "url": "http://127.0.0.1:8"}]
-    if w0 is not None:
-        workers.insert(0, {"name": "w0", "url": w0, "max_concurrency": CAP})
-    return settings_for(
-        [],
-        workers=workers,
-        cluster={
-            "enabled": True,
-            "redis_url": redis_url,
-            "key_prefix": prefix,
-            # Synced by hand, a few ms apart: no peer may expire between two ticks on a slow box.
-            "expiry_s": 30.0,
-            "op_timeout_s": 5.0,
-            "share_learned": False,
-        },
-    )
-
-
-def _probed(gw: Gateway) -> None:
-    for name in gw.registry.workers:
-        gw.registry.probe_ok(name, CARDS, None)
 
 
 def _dispatch(w: Worker, prefill: int = 100) -> Call:
@@ -57,37 +27,27 @@ def _dispatch(w: Worker, prefill: int = 100) -> Call:
     return call
 
 
-def _sync(gw: Gateway) -> ClusterSync:
-    assert gw.cluster is not None
-    return gw.cluster
-
-
-async def _tick(*gws: Gateway) -> None:
-    for gw in gws:
-        assert await _sync(gw).sync_once()
-
-
 @pytest.mark.parametrize("how", ["file", "admin"])
 async def test_a_removed_workers_running_requests_still_count_on_other_replicas(
     redis: RedisServer, how: str
 ) -> None:
     prefix = f"kvt:{{retired-{how}}}:"
-    a = Gateway(_settings(redis.url, prefix, OLD))
-    b = Gateway(_settings(redis.url, prefix, OLD))
+    a = Gateway(pair_settings(redis.url, prefix, OLD))
+    b = Gateway(pair_settings(redis.url, prefix, OLD))
     try:
-        _probed(a)
-        _probed(b)
+        probed(a)
+        probed(b)
         old = a.registry.workers["w0"]
         calls = [_dispatch(old) for _ in range(CAP)]
-        await _tick(a, b)
+        await tick(a, b)
         wb = b.registry.workers["w0"]
         assert wb.remote_in_flight == CAP and b.slots.worker_room(wb) == 0
         if how == "file":
-            a.apply(_settings(redis.url, prefix, None))
+            a.apply(pair_settings(redis.url, prefix, None))
         else:  # DELETE /admin/workers/w0 goes through sync_workers
             a.sync_workers([w.spec for w in a.registry.workers.values() if w.name != "w0"])
         assert "w0" not in a.registry.workers and a._in_flight() == CAP
-        await _tick(a, b)
+        await tick(a, b)
         # B (not reloaded yet, or an admin change on A alone) still routes to w0: A's 4 run there.
         assert (wb.remote_in_flight, wb.remote_prefill_tokens) == (CAP, CAP * 100)
         assert b.slots.worker_room(wb) == 0
@@ -95,12 +55,12 @@ async def test_a_removed_workers_running_requests_still_count_on_other_replicas(
         for i, call in enumerate(calls, 1):
             a.life.first_byte(old, call, 0.01)
             a.life.released(old, call)
-            await _tick(a, b)
+            await tick(a, b)
             assert wb.remote_in_flight == CAP - i and b.slots.worker_room(wb) == i
         assert wb.remote_prefill_tokens == 0
     finally:
-        await _sync(a).stop()
-        await _sync(b).stop()
+        await sync_of(a).stop()
+        await sync_of(b).stop()
 
 
 async def test_a_moved_workers_load_counts_at_the_server_it_runs_on(redis: RedisServer) -> None:
@@ -108,49 +68,49 @@ async def test_a_moved_workers_load_counts_at_the_server_it_runs_on(redis: Redis
     reloaded. B, still sending w0 to the old server, counts A's 3 there (they were dropped from
     the snapshot); A's new server counts none of them, nor B's requests on the old one."""
     prefix = "kvt:{retired-moved}:"
-    a = Gateway(_settings(redis.url, prefix, OLD))
-    b = Gateway(_settings(redis.url, prefix, OLD))
+    a = Gateway(pair_settings(redis.url, prefix, OLD))
+    b = Gateway(pair_settings(redis.url, prefix, OLD))
     try:
-        _probed(a)
-        _probed(b)
+        probed(a)
+        probed(b)
         old = a.registry.workers["w0"]
         calls = [_dispatch(old) for _ in range(3)]
-        a.apply(_settings(redis.url, prefix, NEW))
-        _probed(a)
+        a.apply(pair_settings(redis.url, prefix, NEW))
+        probed(a)
         new = a.registry.workers["w0"]
         assert new is not old and new.url == NEW
         _dispatch(b.registry.workers["w0"])  # B's own request on the old server
-        await _tick(a, b)
-        await _tick(a, b)
+        await tick(a, b)
+        await tick(a, b)
         wb = b.registry.workers["w0"]
         assert wb.remote_in_flight == 3 and b.slots.worker_room(wb) == CAP - 3 - 1
         assert new.remote_in_flight == 0 and a.slots.worker_room(new) == CAP
         for call in calls:
             a.life.released(old, call)
-        await _tick(a, b)
+        await tick(a, b)
         assert wb.remote_in_flight == 0 and b.slots.worker_room(wb) == CAP - 1
     finally:
-        await _sync(a).stop()
-        await _sync(b).stop()
+        await sync_of(a).stop()
+        await sync_of(b).stop()
 
 
 async def test_nothing_is_published_for_a_removed_worker_once_its_requests_end(
     redis: RedisServer,
 ) -> None:
     prefix = "kvt:{retired-ended}:"
-    a = Gateway(_settings(redis.url, prefix, OLD))
-    b = Gateway(_settings(redis.url, prefix, OLD))
+    a = Gateway(pair_settings(redis.url, prefix, OLD))
+    b = Gateway(pair_settings(redis.url, prefix, OLD))
     try:
-        _probed(a)
-        _probed(b)
+        probed(a)
+        probed(b)
         old = a.registry.workers["w0"]
         call = _dispatch(old)
-        a.apply(_settings(redis.url, prefix, None))
+        a.apply(pair_settings(redis.url, prefix, None))
         a.life.released(old, call)
         await asyncio.sleep(0)
-        await _tick(a, b)
+        await tick(a, b)
         assert b.registry.workers["w0"].remote_in_flight == 0
-        assert _sync(a).local_loads() == {}
+        assert sync_of(a).local_loads() == {}
     finally:
-        await _sync(a).stop()
-        await _sync(b).stop()
+        await sync_of(a).stop()
+        await sync_of(b).stop()

@@ -12,50 +12,11 @@ from redis.asyncio import Redis
 
 from bench.redis_server import RedisServer
 from gateway.app import Gateway
-from gateway.cluster import ClusterSync
-from gateway.config import Settings
-from tests.gateway.conftest import MODEL, settings_for
-
-CARDS = [{"id": MODEL, "object": "model"}]
-CAP = 4
-OLD = "http://127.0.0.1:9"
-NEW = "http://127.0.0.1:11"
-
-
-def _settings(redis_url: str, prefix: str, w0: str) -> Settings:
-    return settings_for(
-        [],
-        workers=[
-            {"name": "w0", "url": w0, "max_concurrency": CAP},
-            {"name": "w1", "url": "http://127.0.0.1:8", "max_concurrency": CAP},
-        ],
-        cluster={
-            "enabled": True,
-            "redis_url": redis_url,
-            "key_prefix": prefix,
-            # Synced by hand, a few ms apart: no peer may expire between two ticks on a slow box.
-            "expiry_s": 30.0,
-            "op_timeout_s": 5.0,
-            "share_learned": False,
-        },
-    )
+from tests.gateway.cluster_pair import CAP, CARDS, NEW, OLD, pair_settings, probed, sync_of, tick
 
 
 def _gateway(redis_url: str, prefix: str, w0: str) -> Gateway:
-    gw = Gateway(_settings(redis_url, prefix, w0))
-    for name in gw.registry.workers:
-        gw.registry.probe_ok(name, CARDS, None)
-    return gw
-
-
-def _sync(gw: Gateway) -> ClusterSync:
-    assert gw.cluster is not None
-    return gw.cluster
-
-
-async def _tick(*gws: Gateway) -> None:
-    for gw in gws:
-        assert await _sync(gw).sync_once()
+    return probed(Gateway(pair_settings(redis_url, prefix, w0)))
 
 
 async def test_a_peers_load_on_another_server_of_the_same_name_is_not_counted(
@@ -71,8 +32,8 @@ async def test_a_peers_load_on_another_server_of_the_same_name_is_not_counted(
         wa.dispatched(100)  # A runs one on the new
         for w in (a.registry.workers["w1"], b.registry.workers["w1"]):
             w.dispatched(10)  # w1 is the same server on both: shared as before
-        await _tick(a, b)
-        await _tick(a, b)
+        await tick(a, b)
+        await tick(a, b)
         assert (wa.remote_in_flight, wa.remote_prefill_tokens) == (0, 0)
         assert a.slots.worker_room(wa) == CAP - 1
         assert (wb.remote_in_flight, wb.remote_prefill_tokens) == (0, 0)
@@ -80,16 +41,16 @@ async def test_a_peers_load_on_another_server_of_the_same_name_is_not_counted(
         assert a.registry.workers["w1"].remote_in_flight == 1
         assert b.registry.workers["w1"].remote_in_flight == 1
         # B reloads too: both now run w0 at the new server, and count each other there.
-        b.apply(_settings(redis.url, prefix, NEW))
+        b.apply(pair_settings(redis.url, prefix, NEW))
         b.registry.probe_ok("w0", CARDS, None)
         nb = b.registry.workers["w0"]
         nb.dispatched(100)
-        await _tick(a, b)
-        await _tick(a, b)
+        await tick(a, b)
+        await tick(a, b)
         assert wa.remote_in_flight == 1 and nb.remote_in_flight == 1
     finally:
-        await _sync(a).stop()
-        await _sync(b).stop()
+        await sync_of(a).stop()
+        await sync_of(b).stop()
 
 
 async def test_an_older_peer_that_names_no_url_counts_by_name(redis: RedisServer) -> None:
@@ -105,11 +66,11 @@ async def test_an_older_peer_that_names_no_url_counts_by_name(redis: RedisServer
                 "older-replica",
                 orjson.dumps({"v": 1, "seq": seq, "w": {"w0": [3, 300], "w1": [1, 0]}}),
             )
-            await _tick(a)
+            await tick(a)
         wa = a.registry.workers["w0"]
         assert (wa.remote_in_flight, wa.remote_prefill_tokens) == (3, 300)
         assert a.slots.worker_room(wa) == CAP - 3
         assert a.registry.workers["w1"].remote_in_flight == 1
     finally:
-        await _sync(a).stop()
+        await sync_of(a).stop()
         await admin.aclose()
