@@ -99,6 +99,10 @@ class _AiohttpResponse:
         self._r.release()
 
 
+def _connect_timeout(connect_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=connect_s)
+
+
 class AiohttpUpstream:
     """Known gap (https workers, and `upstream.client = "aiohttp"`): aiohttp's ``connect``
     timeout includes the wait for a free pool slot, so a pool full of busy streams fails the
@@ -113,12 +117,23 @@ class AiohttpUpstream:
             keepalive_timeout=keepalive_s,
             use_dns_cache=True,
         )
+        self._timeout = _connect_timeout(connect_s)
         self._session = aiohttp.ClientSession(
             connector=self._connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=connect_s),
+            timeout=self._timeout,
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+
+    @property
+    def connect_s(self) -> float:
+        return float(self._timeout.connect or 0.0)
+
+    @connect_s.setter
+    def connect_s(self, value: float) -> None:
+        """A reload's `timeouts.connect_s`: sent with every request from now on (the session
+        keeps the timeout it was built with; a reloaded one never reached https workers)."""
+        self._timeout = _connect_timeout(value)
 
     async def post(
         self,
@@ -132,7 +147,9 @@ class AiohttpUpstream:
         try:
             # Not followed: a worker's redirect would re-send the tenant's prompt wherever it
             # points (any host); the proxy answers a 3xx as the worker's failure instead.
-            r = await self._session.post(url, data=body, headers=headers, allow_redirects=False)
+            r = await self._session.post(
+                url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout
+            )
         except (aiohttp.ClientError, OSError) as e:
             # Any failure before the head (a malformed one included: ClientResponseError) is
             # the worker's, retried elsewhere as the h1 client's are; uncaught it was a 500

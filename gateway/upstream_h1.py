@@ -413,7 +413,7 @@ class H1Upstream:
     caller waits for one to come back, as aiohttp's connector does."""
 
     def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
-        self.connect_s = connect_s
+        self._connect_s = connect_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self._deadlines = Deadlines()  # the connect bound
@@ -426,6 +426,17 @@ class H1Upstream:
     @property
     def open_connections(self) -> int:
         return self._open
+
+    @property
+    def connect_s(self) -> float:
+        return self._connect_s
+
+    @connect_s.setter
+    def connect_s(self, value: float) -> None:
+        """A reload's `timeouts.connect_s`, for https workers' client too (it kept the start's)."""
+        self._connect_s = value
+        if isinstance(self._tls, AiohttpUpstream):
+            self._tls.connect_s = value
 
     def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
         """(host, port) and the request line + Host header, parsed once per URL."""

@@ -443,3 +443,19 @@ async def test_a_close_delimited_body_is_a_complete_response(kind: str) -> None:
         assert body == b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
         if kind == "h1":
             assert c.open_connections == 0  # not put back: the worker closed it
+
+
+async def test_a_reloaded_connect_bound_reaches_the_https_workers_client() -> None:
+    """Review: a reload's `timeouts.connect_s` reached the h1 client only; the aiohttp client it
+    keeps for https workers (built at the first one) kept the start's bound, and no restart
+    warning said so. So did `upstream.client = "aiohttp"`."""
+    c = H1Upstream(connect_s=2.0, max_connections=8, keepalive_s=4.0)
+    tls = AiohttpUpstream(connect_s=2.0, max_connections=8, keepalive_s=4.0)
+    c._tls = tls  # as its first https request builds it
+    try:
+        c.connect_s = 10.0
+        assert c.connect_s == 10.0
+        assert tls.connect_s == 10.0
+        assert (tls._timeout.connect, tls._timeout.sock_connect) == (10.0, 10.0)
+    finally:
+        await c.close()
