@@ -30,7 +30,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admission import AdmissionController
+from gateway.admission import AdmissionController, Admitted
 from gateway.autoscale import AutoscaleCollector, fleet_loads
 from gateway.call import Account, Call
 from gateway.cluster import ClusterSync
@@ -845,20 +845,26 @@ class Gateway:
         finally:
             walks.discard(me)
 
+    def _admit(
+        self, tenant: Tenant, model: str, deadline_s: float | None, tried: Collection[str] = ()
+    ) -> Coroutine[Any, Any, Admitted]:
+        """The wait for room in ``model``'s admission queue (the coroutine itself: no frame of
+        its own on every request), counting the slots of the workers not ``tried``."""
+        return self.admission.admit(
+            tenant=tenant.name,
+            priority=tenant.priority,
+            weight=tenant.cfg.queue_weight,
+            deadline_s=deadline_s,
+            has_room=functools.partial(self.slots.free, model, tenant.priority, tried),
+            pool=model,
+        )
+
     async def _wait_room(self, call: Call, tried: Collection[str], deadline: float) -> None:
         """A retry's wait for a worker it has not tried to have room (`Proxy.forward`): the
         admission queue as a new request waits in it, counting only those workers' slots and
         bounded by what is left of the request's deadline; refused as a new request is."""
         assert call.account is not None  # the walk's calls all have one
-        tenant = call.account.tenant
-        await self.admission.admit(
-            tenant=tenant.name,
-            priority=tenant.priority,
-            weight=tenant.cfg.queue_weight,
-            deadline_s=deadline - time.perf_counter(),
-            has_room=functools.partial(self.slots.free, call.model, tenant.priority, tried),
-            pool=call.model,
-        )
+        await self._admit(call.account.tenant, call.model, deadline - time.perf_counter(), tried)
 
     async def _dispatch(
         self, request: Request, call: Call, tenant: Tenant, headers: dict[str, str]
@@ -882,13 +888,8 @@ class Gateway:
             adm = self.admission.settings
             # The last await before the proxy picks a worker (see gateway.admission): the room
             # this grants is taken synchronously by the dispatch.
-            admitted = await self.admission.admit(
-                tenant=tenant.name,
-                priority=tenant.priority,
-                weight=tenant.cfg.queue_weight,
-                deadline_s=adm.deadline_s(headers.get(adm.deadline_header.lower())),
-                has_room=functools.partial(self.slots.free, call.model, tenant.priority),
-                pool=call.model,
+            admitted = await self._admit(
+                tenant, call.model, adm.deadline_s(headers.get(adm.deadline_header.lower()))
             )
             # Every request (0 s when it went straight through): the p95 is over all of them.
             self.autoscale.observe_queue_wait(call.model, admitted.wait_s)

@@ -113,13 +113,16 @@ class Proxy:
         suspects: list[Worker] = []
         served = False
         eligible = self.slots.eligible
-        room = self.slots.worker_room
         try:
             while call.attempts < max_attempts:
                 cands = eligible(call.model, tried, call.pool_ok)
                 if not cands:
                     break
-                if call.attempts and self.wait_room is not None and not room(cands[0]):
+                if (
+                    call.attempts
+                    and self.wait_room is not None
+                    and not self.slots.worker_room(cands[0])
+                ):
                     # A retry, and every untried worker is full (`eligible` lists roomy ones
                     # first, so the first has none): admission counted the refusing worker's
                     # slot, not one of theirs. Sent on, a worker capped at 1 ran 6 at once

@@ -264,10 +264,7 @@ class QuotaGate:
             self._defer(_Deferred(t, actual, refund_all), e)
         except QuotaStoreError as e:
             # The store answered: not an outage, so not the breaker's (see the module's doc).
-            _log_store_failure(
-                f"settlement of {t.request_id} (tenant {t.tenant.name}, model {t.model}) failed",
-                e,
-            )
+            _log_store_failure(f"{_settlement(t)} failed", e)
             self._defer(_Deferred(t, actual, refund_all, errors=1), None)
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
@@ -362,8 +359,7 @@ class QuotaGate:
     def _failed(self, rid: str, d: _Deferred, e: QuotaStoreError) -> None:
         """A replay the store answered with an error that is not an outage."""
         d.errors += 1
-        t = d.ticket
-        what = f"settlement of {rid} (tenant {t.tenant.name}, model {t.model})"
+        what = _settlement(d.ticket)
         if self._deferred.get(rid) is not d:  # replaced or pushed out of the backlog meanwhile
             log.warning("replayed %s failed: %s", what, str(e))
             return
@@ -389,6 +385,11 @@ class QuotaGate:
         del mine[rid]
         if not mine:
             del self._deferred_by[d.ticket.tenant.name]
+
+
+def _settlement(t: Ticket) -> str:
+    """A settlement as its log lines name it."""
+    return f"settlement of {t.request_id} (tenant {t.tenant.name}, model {t.model})"
 
 
 def _log_store_failure(what: str, e: QuotaStoreError) -> None:

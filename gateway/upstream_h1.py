@@ -476,10 +476,7 @@ class H1Upstream:
             if sent is not None:
                 sent()
                 sent = None
-            conn = await self._acquire(key)
-            if conn.closed:  # closed before its request (it sent something unasked: `_Conn`)
-                self.discard(conn)
-                raise UpstreamConnectError("worker closed the connection")
+            conn = await self._fresh(key)
         try:
             conn.begin(asyncio.get_running_loop())
             head = [line]
@@ -512,10 +509,7 @@ class H1Upstream:
         connection only between requests, so a request it read whole gets an answer (or, the
         worker dying, no connection comes up for this one); a request it cut off mid-read was
         never started. A new connection that fails the same way is the worker's failure."""
-        conn = await self._acquire(key)
-        if conn.closed:
-            self.discard(conn)
-            raise UpstreamConnectError("worker closed the connection")
+        conn = await self._fresh(key)
         try:
             conn.begin(asyncio.get_running_loop())
             assert conn.transport is not None and conn.head is not None
@@ -525,6 +519,15 @@ class H1Upstream:
             self.discard(conn)
             raise
         return _Response(self, conn)
+
+    async def _fresh(self, key: tuple[str, int]) -> _Conn:
+        """A connection from `_acquire` that is still open (one that sent something unasked
+        before its request is closed: `_Conn`)."""
+        conn = await self._acquire(key)
+        if conn.closed:
+            self.discard(conn)
+            raise UpstreamConnectError("worker closed the connection")
+        return conn
 
     def _pop_idle(self, key: tuple[str, int], now: float) -> _Conn | None:
         idle = self._idle.get(key)
