@@ -3,6 +3,9 @@ the [cluster] tests that follow one worker across replicas (a removal, a move to
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from gateway.app import Gateway
 from gateway.cluster import ClusterSync
 from gateway.config import Settings
@@ -50,3 +53,14 @@ async def tick(*gws: Gateway) -> None:
     """One round trip of each gateway's sync, in order."""
     for gw in gws:
         assert await sync_of(gw).sync_once()
+
+
+@contextlib.asynccontextmanager
+async def replicas(redis_url: str, prefix: str, *w0s: str | None) -> AsyncIterator[list[Gateway]]:
+    """One probed gateway per entry of ``w0s`` (where each has w0), their syncs stopped after."""
+    gws = [probed(Gateway(pair_settings(redis_url, prefix, w0))) for w0 in w0s]
+    try:
+        yield gws
+    finally:
+        for gw in gws:
+            await sync_of(gw).stop()

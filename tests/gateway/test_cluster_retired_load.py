@@ -11,10 +11,9 @@ import asyncio
 import pytest
 
 from bench.redis_server import RedisServer
-from gateway.app import Gateway
 from gateway.call import Call
 from scoring.views import RouteRequest
-from tests.gateway.cluster_pair import CAP, NEW, OLD, pair_settings, probed, sync_of, tick
+from tests.gateway.cluster_pair import CAP, NEW, OLD, pair_settings, probed, replicas, sync_of, tick
 from tests.gateway.conftest import MODEL
 from workers.worker import Worker
 
@@ -32,11 +31,7 @@ async def test_a_removed_workers_running_requests_still_count_on_other_replicas(
     redis: RedisServer, how: str
 ) -> None:
     prefix = f"kvt:{{retired-{how}}}:"
-    a = Gateway(pair_settings(redis.url, prefix, OLD))
-    b = Gateway(pair_settings(redis.url, prefix, OLD))
-    try:
-        probed(a)
-        probed(b)
+    async with replicas(redis.url, prefix, OLD, OLD) as (a, b):
         old = a.registry.workers["w0"]
         calls = [_dispatch(old) for _ in range(CAP)]
         await tick(a, b)
@@ -58,9 +53,6 @@ async def test_a_removed_workers_running_requests_still_count_on_other_replicas(
             await tick(a, b)
             assert wb.remote_in_flight == CAP - i and b.slots.worker_room(wb) == i
         assert wb.remote_prefill_tokens == 0
-    finally:
-        await sync_of(a).stop()
-        await sync_of(b).stop()
 
 
 async def test_a_moved_workers_load_counts_at_the_server_it_runs_on(redis: RedisServer) -> None:
@@ -68,11 +60,7 @@ async def test_a_moved_workers_load_counts_at_the_server_it_runs_on(redis: Redis
     reloaded. B, still sending w0 to the old server, counts A's 3 there (they were dropped from
     the snapshot); A's new server counts none of them, nor B's requests on the old one."""
     prefix = "kvt:{retired-moved}:"
-    a = Gateway(pair_settings(redis.url, prefix, OLD))
-    b = Gateway(pair_settings(redis.url, prefix, OLD))
-    try:
-        probed(a)
-        probed(b)
+    async with replicas(redis.url, prefix, OLD, OLD) as (a, b):
         old = a.registry.workers["w0"]
         calls = [_dispatch(old) for _ in range(3)]
         a.apply(pair_settings(redis.url, prefix, NEW))
@@ -89,20 +77,13 @@ async def test_a_moved_workers_load_counts_at_the_server_it_runs_on(redis: Redis
             a.life.released(old, call)
         await tick(a, b)
         assert wb.remote_in_flight == 0 and b.slots.worker_room(wb) == CAP - 1
-    finally:
-        await sync_of(a).stop()
-        await sync_of(b).stop()
 
 
 async def test_nothing_is_published_for_a_removed_worker_once_its_requests_end(
     redis: RedisServer,
 ) -> None:
     prefix = "kvt:{retired-ended}:"
-    a = Gateway(pair_settings(redis.url, prefix, OLD))
-    b = Gateway(pair_settings(redis.url, prefix, OLD))
-    try:
-        probed(a)
-        probed(b)
+    async with replicas(redis.url, prefix, OLD, OLD) as (a, b):
         old = a.registry.workers["w0"]
         call = _dispatch(old)
         a.apply(pair_settings(redis.url, prefix, None))
@@ -111,6 +92,3 @@ async def test_nothing_is_published_for_a_removed_worker_once_its_requests_end(
         await tick(a, b)
         assert b.registry.workers["w0"].remote_in_flight == 0
         assert sync_of(a).local_loads() == {}
-    finally:
-        await sync_of(a).stop()
-        await sync_of(b).stop()

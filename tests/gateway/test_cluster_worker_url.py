@@ -11,21 +11,23 @@ import orjson
 from redis.asyncio import Redis
 
 from bench.redis_server import RedisServer
-from gateway.app import Gateway
-from tests.gateway.cluster_pair import CAP, CARDS, NEW, OLD, pair_settings, probed, sync_of, tick
-
-
-def _gateway(redis_url: str, prefix: str, w0: str) -> Gateway:
-    return probed(Gateway(pair_settings(redis_url, prefix, w0)))
+from tests.gateway.cluster_pair import (
+    CAP,
+    CARDS,
+    NEW,
+    OLD,
+    pair_settings,
+    replicas,
+    tick,
+)
 
 
 async def test_a_peers_load_on_another_server_of_the_same_name_is_not_counted(
     redis: RedisServer,
 ) -> None:
     prefix = "kvt:{url-rollout}:"
-    a = _gateway(redis.url, prefix, NEW)  # reloaded: w0 is the new server
-    b = _gateway(redis.url, prefix, OLD)  # not yet
-    try:
+    # A has reloaded (w0 is the new server); B not yet.
+    async with replicas(redis.url, prefix, NEW, OLD) as (a, b):
         wa, wb = a.registry.workers["w0"], b.registry.workers["w0"]
         for _ in range(CAP):
             wb.dispatched(100)  # B fills the old server
@@ -48,18 +50,14 @@ async def test_a_peers_load_on_another_server_of_the_same_name_is_not_counted(
         await tick(a, b)
         await tick(a, b)
         assert wa.remote_in_flight == 1 and nb.remote_in_flight == 1
-    finally:
-        await sync_of(a).stop()
-        await sync_of(b).stop()
 
 
 async def test_an_older_peer_that_names_no_url_counts_by_name(redis: RedisServer) -> None:
     """A replica of the previous version (rolling upgrade) publishes name -> load only: its
     load counts into this replica's worker of that name, whatever its URL, as it did."""
     prefix = "kvt:{url-older}:"
-    a = _gateway(redis.url, prefix, NEW)
     admin = Redis.from_url(redis.url)
-    try:
+    async with replicas(redis.url, prefix, NEW) as (a,):
         for seq in (1, 2):  # the older replica's heartbeat moves
             await admin.hset(
                 prefix + "load",
@@ -71,6 +69,4 @@ async def test_an_older_peer_that_names_no_url_counts_by_name(redis: RedisServer
         assert (wa.remote_in_flight, wa.remote_prefill_tokens) == (3, 300)
         assert a.slots.worker_room(wa) == CAP - 3
         assert a.registry.workers["w1"].remote_in_flight == 1
-    finally:
-        await sync_of(a).stop()
-        await admin.aclose()
+    await admin.aclose()

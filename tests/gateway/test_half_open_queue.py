@@ -4,17 +4,22 @@ queue for the trial's verdict; they are not refused as if nothing served the mod
 Review finding: a half-open worker left `Registry.candidates` while its trial request ran, so the
 walk answered every other request for the model 503 "no healthy worker is serving model" at once
 (5 of 5 within 0.2 s of a 3 s trial that then passed), and a worker going down elsewhere meanwhile
-failed the requests already queued with that 503 too.
+failed the requests already queued with that 503 too. And a stream that outlived its worker's
+ejection took the only trial slot itself: 23 requests were refused in 12 s while the worker
+streamed at 1 of 256 slots; a request sent while it is half-open is now its trial.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tests.gateway.conftest import (
@@ -140,3 +145,59 @@ async def test_another_worker_going_down_leaves_requests_queued_for_the_half_ope
             assert w0.received == 4
             w1.release.set()
             assert (await first).status_code == 200
+
+
+CHUNK = {
+    "id": "x",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": MODEL,
+    "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}],
+}
+
+
+async def test_a_stream_from_before_the_ejection_leaves_the_trial_slot_free() -> None:
+    end_stream = asyncio.Event()
+
+    async def chat(request: Request) -> Response:
+        body = json.loads(await request.body())
+        if not body.get("stream"):
+            return JSONResponse(chat_completion())
+
+        async def gen() -> AsyncIterator[bytes]:
+            while not end_stream.is_set():  # a token every 0.5 s: never idle long enough to cut
+                yield b"data: " + json.dumps(CHUNK).encode() + b"\n\n"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(end_stream.wait(), 0.5)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async with serve_app(stub_app(chat), force_exit=True) as url:
+        s = settings_for([url], probes=PROBES, admission=ADMISSION)
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(1)
+            reg = g.gw.registry
+            w = reg.workers["w0"]
+            first_chunk = asyncio.Event()
+
+            async def stream() -> int:
+                body = {**BODY, "stream": True}
+                async with c.stream("POST", g.url + "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_bytes():
+                        first_chunk.set()
+                    return r.status_code
+
+            old = asyncio.create_task(stream())
+            await first_chunk.wait()
+            for _ in range(reg.unhealthy_after):
+                reg.passive_failure("w0", "HTTP 502")
+            await until(lambda: w.health is Health.HALF_OPEN, 10, "half-open")
+            assert w.in_flight == 1  # the old stream, still running
+            trial = asyncio.create_task(c.post(g.url + "/v1/chat/completions", json=BODY))
+            done, _ = await asyncio.wait({trial}, timeout=10)
+            assert done, "the trial waited for the old stream to end"
+            assert trial.result().status_code == 200 and w.health is Health.HEALTHY
+            assert not old.done()
+            end_stream.set()
+            assert await old == 200
