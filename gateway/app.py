@@ -145,6 +145,9 @@ class Gateway:
         # Worker -> the models its last probe listed: a probe that drops one may leave requests
         # queued for a model nothing serves any more (`_on_probe`).
         self._models: dict[str, frozenset[str]] = {}
+        # Models of workers a reload (or /admin/workers) removed whose queued requests wait for
+        # a worker still starting (a URL move adds the new one before its first probe).
+        self._orphaned: set[str] = set()
         # Worker records a reload removed (or replaced: a new URL) while requests ran on them.
         self._retired: list[Worker] = []
         # Walks not yet handed to admission and a worker, and those a drain's grace cut.
@@ -461,6 +464,8 @@ class Gateway:
         before = dict(self.registry.workers)
         added, removed = self.registry.sync(specs)
         for name in removed:
+            if name in before:
+                self._orphaned |= before[name].models
             self.metrics.forget_worker(name, [h.value for h in Health])
             self._forget_routing(name)
             self._started.pop(name, None)
@@ -471,6 +476,7 @@ class Gateway:
         for name in added:
             self._reclaim(name)
         if removed:
+            self._fail_orphaned()
             self._forget_models()
         if added or removed:
             log.info("fleet changed: added %s, removed %s", added, removed)
@@ -533,6 +539,19 @@ class Gateway:
         for model in models:
             if not self.registry.serving(model):
                 self.admission.fail_pool(model, functools.partial(self._unserved, model))
+
+    def _fail_orphaned(self) -> None:
+        """Requests queued for a model whose workers a reload removed get a new request's answer
+        (`_fail_unserved`) once no worker is still starting: one that is may list the model at
+        its first probe (a URL move: the old record goes, the new one has not answered yet),
+        and its first probe's verdict calls this again (`_on_health_change`). Without it they
+        waited out their whole deadline and read "no worker became free"."""
+        if not self._orphaned or any(
+            w.health is Health.STARTING for w in self.registry.workers.values()
+        ):
+            return
+        models, self._orphaned = self._orphaned, set()
+        self._fail_unserved(models)
 
     def _schedule_kv_sync(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_kv_events())
@@ -609,6 +628,8 @@ class Gateway:
         self.metrics.export_health(w.name, w.health)
         down = w.health is Health.UNHEALTHY
         log.log(logging.WARNING if down else logging.INFO, "%s", w.change_message(was))
+        if was is Health.STARTING:
+            self._fail_orphaned()
         if down:  # its models' waiters may have no worker left: they get a new request's 503
             self._fail_unserved(self.admission.pools())
         else:

@@ -1,6 +1,7 @@
 """A worker whose model list changes (restarted serving other models, still healthy) takes its
 queued requests' answer with it: requests queued for a model nothing serves any more get at once
-what a new request gets, 404 where no worker lists the model, else 503.
+what a new request gets, 404 where no worker lists the model, else 503. So do requests queued
+for a model whose last worker a reload removed, unless a worker still starting may serve it.
 
 Review finding: no health changed, so nothing refused them: they waited out their whole deadline
 (10 s) and read "No worker became free" with a Retry-After of 1 s, while a new request for the
@@ -26,7 +27,7 @@ from tests.gateway.conftest import (
     settings_for,
     until,
 )
-from workers.worker import Health
+from workers.worker import Health, WorkerSpec
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OTHER = "other-model"
@@ -136,3 +137,63 @@ async def test_queued_requests_get_503_when_a_worker_down_still_lists_their_mode
             w1.release.set()
             for r in await asyncio.gather(*held):
                 assert r.status_code == 200
+
+
+async def test_queued_requests_get_404_when_a_reload_removes_the_last_worker_of_their_model() -> (
+    None
+):
+    # Review finding: a worker removed by a reload (or /admin/workers) left the requests queued
+    # for its model waiting out their deadline, then "no worker became free".
+    w0, w1 = Worker([MODEL]), Worker([OTHER])
+    async with (
+        serve_app(w0.app(), force_exit=True) as u0,
+        serve_app(w1.app(), force_exit=True) as u1,
+    ):
+        s = settings_for(
+            [u0, u1],
+            admission=ADMISSION,
+            workers=[
+                {"name": "w0", "url": u0, "max_concurrency": 1},
+                {"name": "w1", "url": u1, "max_concurrency": 1},
+            ],
+        )
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(2)
+            first = _post(c, g.url)
+            await until(lambda: w0.received == 1, 10, "w0 full")
+            queued = [_post(c, g.url) for _ in range(3)]
+            await until(lambda: g.gw.admission.queued() == 3, 10, "three queued")
+            g.gw.sync_workers([WorkerSpec("w1", u1, max_concurrency=1)])
+            for r in await _refused(queued):
+                assert r.status_code == 404, r.text
+                assert r.json()["error"]["code"] == "model_not_found"
+            assert g.gw.admission.queued() == 0
+            w0.release.set()
+            assert (await first).status_code == 200  # it ran on the removed record: it ends
+
+
+async def test_queued_requests_wait_for_the_new_worker_of_a_url_move() -> None:
+    # The same reload that removes a model's worker adds its replacement, which has not been
+    # probed yet: the queued requests wait for its first probe and run there, not a 404.
+    old, new = Worker([MODEL]), Worker([MODEL])
+    new.release.set()
+    async with (
+        serve_app(old.app(), force_exit=True) as u0,
+        serve_app(new.app(), force_exit=True) as u1,
+    ):
+        s = settings_for(
+            [u0], admission=ADMISSION, workers=[{"name": "w0", "url": u0, "max_concurrency": 1}]
+        )
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(1)
+            first = _post(c, g.url)
+            await until(lambda: old.received == 1, 10, "the old worker full")
+            queued = [_post(c, g.url) for _ in range(3)]
+            await until(lambda: g.gw.admission.queued() == 3, 10, "three queued")
+            g.gw.sync_workers([WorkerSpec("w0", u1, max_concurrency=1)])
+            assert g.gw.registry.workers["w0"].health is Health.STARTING
+            for r in await _refused(queued):
+                assert r.status_code == 200, r.text
+            assert new.received == 3 and old.received == 1
+            old.release.set()
+            assert (await first).status_code == 200
