@@ -213,6 +213,11 @@ class AdmissionController:
         self.observer: AdmissionObserver = observer or NullObserver()
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
+        # Retries waiting for room on workers they have not tried, per model: a queue of their
+        # own, since their room is not their tier's (``has_room`` must agree within a queue: a
+        # retry at the head of its model's queue held up every new request behind it while the
+        # worker it had tried sat idle). Named, observed and refused as the model's pool.
+        self._retries: dict[str, _Pool] = {}
         # Waiters handed a slot that have not resumed (so in_flight lacks them), in every pool:
         # pools share workers, so one pool's pending grant may take the slot another pool sees.
         self._granted = 0
@@ -242,16 +247,20 @@ class AdmissionController:
         has_room: Callable[[], int | bool],
         pool: str = "",
         cost: float = 1.0,
+        retry: bool = False,
     ) -> Admitted:
-        """Wait for room in ``pool``; raises ``APIError`` (429/503 + Retry-After) when refused."""
+        """Wait for room in ``pool``; raises ``APIError`` (429/503 + Retry-After) when refused.
+        ``retry``: a retry's wait, whose ``has_room`` counts only the workers it has not tried
+        (its own queue, ``_retries``)."""
         if self._bypass:
             if self._closed is not None:
                 raise self._closed_error()
             return _FAST
-        p = self._pools.get(pool)
+        pools = self._retries if retry else self._pools
+        p = pools.get(pool)
         if (p is None or not p.queue._size) and has_room() > self._granted:
             return _FAST
-        return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost)
+        return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost, pools)
 
     async def _wait(
         self,
@@ -262,12 +271,13 @@ class AdmissionController:
         has_room: Callable[[], int | bool],
         pool: str,
         cost: float,
+        pools: dict[str, _Pool],
     ) -> Admitted:
         s = self.settings
         loop = self._loop = asyncio.get_running_loop()
-        p = self._pools.get(pool)
+        p = pools.get(pool)
         if p is None:
-            p = self._pools[pool] = _Pool(pool, self._new_queue())
+            p = pools[pool] = _Pool(pool, self._new_queue())
         now = self._clock()
         if deadline_s is None:
             deadline_s = s.default_deadline_s
@@ -341,10 +351,26 @@ class AdmissionController:
             p = self._pools.get(pool)
             if p is not None and p.queue._size:
                 self._kick_pool(p)
+            if self._retries:
+                p = self._retries.get(pool)
+                if p is not None and p.queue._size:
+                    self._kick_pool(p)
             return
-        pools = self._pools.values() if pool is None else map(self._pools.get, pool)
+        if pool is None:
+            pools: Iterable[_Pool | None] = self._all()
+        else:
+            names = list(pool)
+            pools = [*map(self._pools.get, names), *map(self._retries.get, names)]
         for p in self._by_priority(pools):
             self._kick_pool(p)
+
+    def _all(self) -> list[_Pool]:
+        """Every queue: the models' and their retries'."""
+        return [*self._pools.values(), *self._retries.values()]
+
+    def _named(self, pool: str) -> list[_Pool]:
+        """The queues of one model: its own and its retries'."""
+        return [p for p in (self._pools.get(pool), self._retries.get(pool)) if p is not None]
 
     @staticmethod
     def _by_priority(pools: Iterable[_Pool | None]) -> list[_Pool]:
@@ -414,7 +440,7 @@ class AdmissionController:
     def _next_tick(self) -> float:
         delay = self.settings.recheck_s
         now = self._clock()
-        for p in self._pools.values():
+        for p in self._all():
             d = p.queue.next_deadline()
             if d is not None:
                 delay = min(delay, max(0.0, d - now))
@@ -423,12 +449,12 @@ class AdmissionController:
     def _tick(self) -> None:
         self._timer = None
         try:
-            for p in self._by_priority(list(self._pools.values())):
+            for p in self._by_priority(self._all()):
                 self._kick_pool(p)
         except Exception:  # a broken predicate must not stop the timer that ends every wait
             log.exception("admission re-check failed")
         finally:
-            if any(p.queue._size for p in self._pools.values()):
+            if any(p.queue._size for p in self._all()):
                 self._arm()
 
     # -- errors ----------------------------------------------------------------------------------
@@ -499,7 +525,7 @@ class AdmissionController:
             return tier_of(e.priority, settings.priority_levels)
 
         self._bypass = not settings.enabled or self._closed is not None
-        for p in self._pools.values():
+        for p in self._all():
             q = p.queue
             q.max_queued = settings.max_queued
             q.max_queued_per_tenant = settings.max_queued_per_tenant
@@ -532,7 +558,7 @@ class AdmissionController:
             self._timer.cancel()
             self._timer = None
         now = self._clock()
-        for p in self._pools.values():
+        for p in self._all():
             for e in p.queue.drain(retry_after_s, now):
                 self._fail(p, e)
 
@@ -543,29 +569,25 @@ class AdmissionController:
         "no worker became free" with a Retry-After of 1 s (review: 20 s for a model down since
         the first 0.3 s). Counted as ``no_capacity``, or ``model_not_found`` for a 404. Returns
         how many were refused."""
-        p = self._pools.get(pool)
-        if p is None or not p.queue._size:
-            return 0
-        entries = p.queue.drain(0.0, self._clock())
-        for e in entries:
-            err = error()
-            fut = e.payload[0]
-            if not fut.done():
-                fut.set_exception(err)
-            reason = "model_not_found" if err.status == 404 else "no_capacity"
-            self.observer.refused(p.name, e.tier, reason, err.status)
-        return len(entries)
+        n = 0
+        for p in self._named(pool):
+            entries = p.queue.drain(0.0, self._clock()) if p.queue._size else []
+            for e in entries:
+                err = error()
+                fut = e.payload[0]
+                if not fut.done():
+                    fut.set_exception(err)
+                reason = "model_not_found" if err.status == 404 else "no_capacity"
+                self.observer.refused(p.name, e.tier, reason, err.status)
+            n += len(entries)
+        return n
 
     # -- stats -----------------------------------------------------------------------------------
     def depth_by_tier(self, pool: str | None = None) -> dict[int, int]:
         """Queued requests per tier (all pools unless one is named); tiers seen so far report 0
         so a gauge falls back to zero instead of keeping its last value."""
         out: dict[int, int] = {}
-        if pool is None:
-            pools = list(self._pools.values())
-        else:
-            pools = [self._pools[pool]] if pool in self._pools else []
-        for p in pools:
+        for p in self._all() if pool is None else self._named(pool):
             for level in p.tiers:
                 out.setdefault(level, 0)
             for level, n in p.queue.depth_by_tier().items():
@@ -573,19 +595,20 @@ class AdmissionController:
         return out
 
     def queued(self) -> int:
-        return sum(p.queue._size for p in self._pools.values())
+        return sum(p.queue._size for p in self._all())
 
     def pools(self) -> list[str]:
         """Pools (models) that ever queued, for per-model gauges."""
-        return list(self._pools)
+        return list(dict.fromkeys([*self._pools, *self._retries]))
 
     def forget_pool(self, pool: str) -> bool:
         """Drop an idle pool (its model left the fleet), so its gauges go with it; a pool that
         still queues requests stays until they are served or refused. True when dropped."""
-        p = self._pools.get(pool)
-        if p is None or p.queue._size or p in self._held:
+        named = self._named(pool)
+        if not named or any(p.queue._size or p in self._held for p in named):
             return False
-        del self._pools[pool]
+        self._pools.pop(pool, None)
+        self._retries.pop(pool, None)
         return True
 
     def pool_queue(self, pool: str = "") -> FairQueue | None:

@@ -540,6 +540,21 @@ class Gateway:
             if not self.registry.serving(model):
                 self.admission.fail_pool(model, functools.partial(self._unserved, model))
 
+    def drain_worker(self, name: str, draining: bool) -> bool:
+        """Drain a worker (no new requests; in-flight ones finish) or readmit it: requests queued
+        for a model it was the last to serve get a new request's answer at once (they waited out
+        their deadline, then read "no worker became free", while a new request got a 503 at
+        once), and on readmission its models' waiters go without waiting for the next
+        re-check. False for an unknown worker."""
+        w = self.registry.workers.get(name)
+        if w is None or not self.registry.drain(name, draining):
+            return False
+        if draining:
+            self._fail_unserved(w.models)
+        else:
+            self.admission.kick(w.models)
+        return True
+
     def _fail_orphaned(self) -> None:
         """Requests queued for a model whose workers a reload removed get a new request's answer
         (`_fail_unserved`) once no worker is still starting: one that is may list the model at
@@ -878,14 +893,18 @@ class Gateway:
             deadline_s=deadline_s,
             has_room=functools.partial(self.slots.free, model, tenant.priority, tried),
             pool=model,
+            retry=bool(tried),
         )
 
     async def _wait_room(self, call: Call, tried: Collection[str], deadline: float) -> None:
-        """A retry's wait for a worker it has not tried to have room (`Proxy.forward`): the
-        admission queue as a new request waits in it, counting only those workers' slots and
-        bounded by what is left of the request's deadline; refused as a new request is."""
+        """A retry's wait for a worker it has not tried to have room (`Proxy.forward`): in the
+        model's queue of retries (new requests do not wait behind it for the worker it tried),
+        counting only those workers' slots, bounded by the wait the client allowed
+        (`x-kvgate-deadline-ms`, or the default: 0 was "do not queue me" and still waited) and
+        by what is left of the request's deadline; refused as a new request is."""
         assert call.account is not None  # the walk's calls all have one
-        await self._admit(call.account.tenant, call.model, deadline - time.perf_counter(), tried)
+        left = deadline - time.perf_counter()
+        await self._admit(call.account.tenant, call.model, min(left, call.admit_s), tried)
 
     async def _dispatch(
         self, request: Request, call: Call, tenant: Tenant, headers: dict[str, str]
@@ -909,9 +928,8 @@ class Gateway:
             adm = self.admission.settings
             # The last await before the proxy picks a worker (see gateway.admission): the room
             # this grants is taken synchronously by the dispatch.
-            admitted = await self._admit(
-                tenant, call.model, adm.deadline_s(headers.get(adm.deadline_header.lower()))
-            )
+            call.admit_s = adm.deadline_s(headers.get(adm.deadline_header.lower()))
+            admitted = await self._admit(tenant, call.model, call.admit_s)
             # Every request (0 s when it went straight through): the p95 is over all of them.
             self.autoscale.observe_queue_wait(call.model, admitted.wait_s)
             account = call.account

@@ -4,6 +4,7 @@ what its worker reported it used (`Usage`): the record every step reads and sett
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class Call:
     t_start: float = field(default_factory=time.perf_counter)
     worker: str = ""
     attempts: int = 0
+    admit_s: float = math.inf  # how long it may wait for room (its deadline header, or default)
     status: int = 0
     ttft: float | None = None
     events: int = 0

@@ -171,7 +171,7 @@ class Endpoints:
             if w is None:
                 raise APIError(404, f"no worker {name!r}", "invalid_request_error")
             if request.method != "GET":
-                self.gw.registry.drain(name, request.method == "POST")
+                self.gw.drain_worker(name, request.method == "POST")
                 log.warning("worker %s %s", name, "draining" if w.draining else "undrained")
             return JSONResponse(
                 {

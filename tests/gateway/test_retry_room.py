@@ -9,6 +9,9 @@ took `Slots.eligible`'s fallback to workers with no room, and a worker capped at
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.requests import Request
@@ -21,6 +24,7 @@ from tests.gateway.conftest import (
     serve_app,
     settings_for,
     stub_app,
+    until,
 )
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -65,3 +69,84 @@ async def test_retries_wait_for_room_instead_of_overfilling_a_worker() -> None:
             ok = [r for r in rs if r.status_code == 200]
             assert len(ok) == served == 6, [r.status_code for r in rs]
             assert all(w.in_flight == 0 for w in g.gw.registry.workers.values())
+
+
+def _stub(release: asyncio.Event) -> Any:
+    """A worker: "long" holds its slot until ``release``, "poison" is refused with a 503 (a
+    retry follows), anything else is answered at once."""
+
+    async def handler(request: Request) -> Response:
+        text = (await request.json())["messages"][0]["content"]
+        if text == "long":
+            await release.wait()
+        elif text == "poison":
+            err = {"error": {"message": "overloaded", "type": "service_unavailable", "code": 503}}
+            return JSONResponse(err, status_code=503)
+        return JSONResponse(chat_completion())
+
+    return stub_app(handler)
+
+
+def _body(text: str) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+
+
+@contextlib.asynccontextmanager
+async def _two_workers(release: asyncio.Event, **admission: float) -> AsyncIterator[Any]:
+    """A gateway over two workers capped at 1, one of them held by a "long" request."""
+    async with (
+        serve_app(_stub(release), force_exit=True) as u1,
+        serve_app(_stub(release), force_exit=True) as u2,
+    ):
+        s = settings_for(
+            [u1, u2],
+            admission={"default_deadline_s": 20, "max_deadline_s": 30, **admission},
+            probes={"unhealthy_after": 1000, "breaker_window": 0},
+        )
+        workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
+        s = s.model_copy(update={"workers": workers})
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(2)
+            url = g.url + "/v1/chat/completions"
+            held = asyncio.create_task(c.post(url, json=_body("long")))
+            reg = g.gw.registry
+            await until(lambda: sum(w.in_flight for w in reg.workers.values()) == 1, 10, "held")
+            try:
+                yield g, c, url, held
+            finally:
+                release.set()
+                assert (await held).status_code == 200
+
+
+async def test_a_waiting_retry_does_not_hold_up_new_requests_for_a_free_worker() -> None:
+    # Review finding: the retry waited at the head of its model's queue for the worker it had
+    # not tried (busy), and every new request queued behind it while the other worker sat idle:
+    # they timed out with "no worker became free".
+    release = asyncio.Event()
+    async with _two_workers(release) as (g, c, url, held):
+        poison = asyncio.create_task(c.post(url, json=_body("poison")))
+        await until(lambda: g.gw.admission.queued() == 1, 10, "the retry waits for room")
+        fresh = asyncio.create_task(
+            c.post(url, json=_body("hi"), headers={"x-kvgate-deadline-ms": "10000"})
+        )
+        done, _ = await asyncio.wait([fresh], timeout=8)
+        assert done, "the new request waited behind the retry"
+        assert fresh.result().status_code == 200, fresh.result().text
+        assert not held.done() and not poison.done()  # the retry still waits for its worker
+        release.set()
+        assert (await poison).status_code == 503  # it tried both: the busy one refused it too
+
+
+async def test_a_retry_waits_no_longer_than_the_client_allowed() -> None:
+    # Review finding: a retry's wait for room was bounded by timeouts.total_s only: a client that
+    # sent x-kvgate-deadline-ms 0 ("do not queue me") waited seconds in the queue.
+    release = asyncio.Event()
+    async with _two_workers(release, default_deadline_s=30) as (g, c, url, held):
+        poison = asyncio.create_task(
+            c.post(url, json=_body("poison"), headers={"x-kvgate-deadline-ms": "0"})
+        )
+        done, _ = await asyncio.wait([poison], timeout=8)
+        assert done, "the retry waited past the client's deadline"
+        r = poison.result()
+        assert r.status_code == 503 and not held.done(), r.text
+        assert g.gw.admission.queued() == 0
