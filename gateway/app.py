@@ -377,7 +377,8 @@ class Gateway:
         r = new.routing
         keyers = None
         if r.token_mode != old.routing.token_mode:
-            keyers = load_keyers(r.token_mode)  # a tokenizer.json that does not load: rejected
+            # A tokenizer.json that does not load: rejected. Unchanged models keep theirs.
+            keyers = load_keyers(r.token_mode, self.token_keyers, old.routing.token_mode)
         # What a reload cannot change stays as it runs, and `self.settings` says so: installed,
         # the new [server] applied its body limit, headers and drain grace at once, though the
         # log said "after a restart", and `--processes` children then disagreed (a restarted one
