@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 import typing
 from collections.abc import Collection
@@ -276,10 +277,11 @@ class RoutingSettings(_Section):
         from scoring.views import RoutingOptions
 
         try:
-            RoutingOptions(**v)  # negatives, NaN and wrong types fail here, with the name
+            opts = RoutingOptions(**v)  # negatives, NaN and wrong types fail here, with the name
         except TypeError as e:  # an unknown name
             raise ValueError(str(e).replace("RoutingOptions.__init__()", "routing.options")) from e
-        return v
+        # As the options hold them: an integer knob written `64.0` is kept as the int 64.
+        return {name: getattr(opts, name) for name in v}
 
     @model_validator(mode="after")
     def _split_shares(self) -> RoutingSettings:
@@ -592,8 +594,56 @@ def _reject_nan(obj: Any, path: str = "") -> None:
             _reject_nan(v, f"{path}[{i}]")
 
 
+def _reject_unknown_env() -> None:
+    """Refuse a `KVGATE_*` variable that names a setting path (`SECTION__KEY`) whose section
+    is no setting of `Settings`.
+
+    pydantic-settings reads the environment per field: a variable for a field that does not
+    exist is never looked at, so `KVGATE_ROUTNG__POLICY=prefix` was silently ignored (a typo
+    inside a section is refused by the section's extra="forbid"). Names are matched as
+    pydantic-settings matches them: case-insensitively. Only names with the nested delimiter
+    are judged: other tools' variables share the prefix without it (docker compose's
+    `KVGATE_PORT`, bench's `KVGATE_REDIS_SERVER`, and the `KVGATE_SERVICE_HOST` /
+    `KVGATE_PORT_8000_TCP...` Kubernetes puts in every pod of a namespace with a service
+    named kvgate), and refusing those would stop the gateway from starting there.
+    """
+    prefix = str(Settings.model_config.get("env_prefix", "")).upper()
+    delimiter = str(Settings.model_config.get("env_nested_delimiter") or "").upper()
+    if not delimiter:
+        return
+    known = set(Settings.model_fields)
+    for name in os.environ:
+        upper = name.upper()
+        if not upper.startswith(prefix) or delimiter not in upper[len(prefix) :]:
+            continue
+        rest = upper[len(prefix) :]
+        section = rest.split(delimiter, 1)[0].lower()
+        if section not in known:
+            raise ConfigError(
+                f"environment variable {name}: {section!r} is not a config section or setting "
+                f"(known: {', '.join(sorted(known))})"
+            )
+
+
 def load_settings(path: str | Path | None) -> Settings:
-    """Parse and validate a whole file, or raise ConfigError; never returns half a config."""
+    """Parse and validate a whole file, or raise ConfigError; never returns half a config.
+
+    Only ConfigError leaves it: the config watcher rejects and reports that, and anything else
+    would escape a reload (SIGHUP, the file watch) unreported, with the fixed file never read.
+    """
+    try:
+        return _load_settings(path)
+    except ConfigError:
+        raise
+    except RecursionError as e:  # tomllib and validation recurse per level of nesting
+        raise ConfigError(f"{path}: invalid config: values nested too deeply") from e
+    except (ValueError, TypeError, OverflowError) as e:
+        # Not a ValidationError (that one is below): a validator's own arithmetic on a value no
+        # declared bound stopped, such as an integer too large to convert to a float.
+        raise ConfigError(f"{path}: invalid config: {type(e).__name__}: {e}") from e
+
+
+def _load_settings(path: str | Path | None) -> Settings:
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -601,9 +651,12 @@ def load_settings(path: str | Path | None) -> Settings:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError as e:
             raise ConfigError(f"{p}: file not found") from e
+        except OSError as e:  # permission, a directory in its place
+            raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from e
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: invalid TOML: {e}") from e
     _reject_nan(data)
+    _reject_unknown_env()
     try:
         return Settings(**data)
     except ValidationError as e:

@@ -46,7 +46,15 @@ class _Layout:
 
     target: Path | None  # the file, when it is outside the path's directory
     links: frozenset[tuple[Path, str]]  # links on the way outside that directory, and their text
-    directory: tuple[int, int] | None  # (st_dev, st_ino) of the directory the path is read in
+    # Every directory watched, with its (st_dev, st_ino) (None: not there). The inode of each,
+    # not only of the path's own directory: the target's directory removed and made again
+    # (`rm -rf` + `mkdir` by a deploy tool) has the same path, and the watch would stay on the
+    # deleted one, seeing no edit again.
+    watched: tuple[tuple[Path, tuple[int, int] | None], ...]
+
+    @property
+    def where(self) -> list[Path]:
+        return [d for d, _ident in self.watched]
 
 
 class ConfigWatcher:
@@ -72,6 +80,10 @@ class ConfigWatcher:
         self._watched: frozenset[str] = frozenset()
         self._links: frozenset[Path] = frozenset()
         self._directory = path.absolute().parent
+        # The bytes the last reload judged, (None,) for no file; None until a reload ran. A
+        # catch-up read (`_catch_up`) that finds the same skips the reload: an unchanged file
+        # rejected once is not reported, and counted, again.
+        self._judged: tuple[bytes | None] | None = None
 
     def reload(self) -> bool:
         try:
@@ -109,7 +121,12 @@ class ConfigWatcher:
         checked here.
         """
         for _ in range(3):
-            before = self._read()
+            try:
+                before = self._read()
+            except ConfigError:
+                self._judged = (None,)  # as `_read_quietly` sees it
+                raise
+            self._judged = (before,)
             if before is not None and _has_no_settings(before):
                 raise ConfigError(f"{self.path}: file has no settings (empty, or comments only)")
             new = load_settings(self.path)  # a missing file raises ConfigError with the reason
@@ -149,33 +166,44 @@ class ConfigWatcher:
         # is watched for the link's name, and the watch is moved to the new directory. And a
         # real directory renamed into place (`mv conf.new conf`): the parent is watched for the
         # directory's name, and the new inode's change of `_Layout` moves the watch there.
+        # After the first watch, every watch set up again reads the file once it is in place
+        # (`_catch_up`): a change made while none was (during the reload that moved it, often a
+        # slow one: tokenizers, the fleet; or during the retry delay) sends no event to it.
         directory = self._directory = self.path.absolute().parent
         failed: _Layout | None = None  # where things stood when the watch last failed
+        first = True
         while True:
             self._watched = self._names(directory)
             layout = self._layout(directory)
-            if failed is not None and layout != failed:
-                # Changed while nothing watched (a link pointed at a directory not there yet,
-                # then pointed right or the directory made): no event will tell of it.
-                self.reload()
-            failed = None
-            target = layout.target
             self._links = frozenset(link for link, _text in layout.links)
-            where = [directory] if target is None else [directory, target.parent]
-            where += sorted({link.parent for link in self._links} - set(where))
-            if directory.parent != directory and directory.parent not in where:
-                where.append(directory.parent)  # for the directory's own name: see `_wanted`
+            # Changed while nothing watched (a link pointed at a directory not there yet, then
+            # pointed right or the directory made): read again even if the bytes are the same.
+            force = failed is not None and layout != failed
+            moved = asyncio.Event()  # set by the catch-up: awatch returns, the watch moves
+            catch_up = None
+            if not first:
+                # Its first step runs once this task waits, in awatch, which sets its watch up
+                # before its first wait: what the catch-up reads is either read or seen.
+                catch_up = asyncio.create_task(self._catch_up(layout, force, moved))
+            first, failed = False, None
+            where = frozenset(layout.where)
             try:
-                async for _changes in awatch(
-                    *where,
+                async for changes in awatch(
+                    *layout.where,
                     debounce=200,
                     step=50,
                     recursive=False,
-                    watch_filter=functools.partial(self._wanted, target),
+                    stop_event=moved,
+                    watch_filter=functools.partial(self._wanted, layout.target, where),
                 ):
                     await self._settle()
                     self.reload()
                     self._watched = self._names(directory)
+                    # A watched directory itself deleted or renamed away: its watch is dead even
+                    # when one made in its place compares equal (ext4 gives the inode just freed
+                    # to the next `mkdir`), so it is set up again on the event alone.
+                    if any(Path(p) in where for _c, p in changes):
+                        break
                     if self._layout(directory) != layout:
                         break  # a link now points elsewhere: watch there instead
                 continue  # at once: no retry delay after a break
@@ -183,7 +211,32 @@ class ConfigWatcher:
                 # Without this the task would end silently and every later edit be ignored.
                 log.exception("config file watch failed; watching %s again", directory)
                 failed = layout
+                if catch_up is not None and not catch_up.done():
+                    # No watch to wait for: read now what the catch-up would have.
+                    catch_up.cancel()
+                    self._reload_if_changed(force)
+            finally:
+                if catch_up is not None:
+                    catch_up.cancel()
             await asyncio.sleep(_RETRY_S)
+
+    async def _catch_up(self, layout: _Layout, force: bool, moved: asyncio.Event) -> None:
+        """Reload a file changed before the watch just set up was in place (see `_watch`); and
+        when where the path leads moved again meanwhile, have the watch set up anew."""
+        try:
+            await self._settle()
+            self._reload_if_changed(force)
+            self._watched = self._names(self._directory)
+            if self._layout(self._directory) != layout:
+                moved.set()
+        except Exception:  # never silently: the watch itself goes on
+            log.exception("config catch-up reload failed")
+
+    def _reload_if_changed(self, force: bool) -> None:
+        """`reload`, unless the file holds the bytes the last reload judged: nothing to apply,
+        and an invalid file already reported would be reported and counted twice."""
+        if force or self._judged != (self._read_quietly(),):
+            self.reload()
 
     async def _settle(self) -> None:
         """Wait until the file reads the same twice `_SETTLE_S` apart: a writer is done with it."""
@@ -201,24 +254,30 @@ class ConfigWatcher:
         except ConfigError:
             return None  # unreadable: the reload that follows reports why
 
-    def _wanted(self, target: Path | None, _change: object, path: str) -> bool:
-        """An entry the path reads through (by name, in its directory), the outside target, or
-        a link on the way to either (by its path, in its own parent)."""
+    def _wanted(
+        self, target: Path | None, where: frozenset[Path], _change: object, path: str
+    ) -> bool:
+        """An entry the path reads through (by name, in its directory), the outside target, a
+        link on the way to either (by its path, in its own parent), or a watched directory
+        itself (deleted or renamed away: its watch must be set up again)."""
         p = Path(path)
-        if p == self._directory:  # the directory itself, renamed over or away (in its parent)
+        if p == self._directory or p in where:  # `_directory`: renamed over, in its parent
             return True
         if p.parent != self._directory and p.parent == self._directory.parent:
             return p in self._links or p == target  # the parent's other entries: not ours
         return p.name in self._watched or p == target or p in self._links
 
     def _layout(self, directory: Path) -> _Layout:
-        """What the watch depends on, read now (see `_Layout`)."""
-        try:
-            st = os.stat(directory)
-            ident: tuple[int, int] | None = (st.st_dev, st.st_ino)
-        except OSError:
-            ident = None  # gone: the watch fails and is set up again, the reload says why
-        return _Layout(self._outside_target(directory), self._links_outside(directory), ident)
+        """What the watch depends on, read now (see `_Layout`): the directories to watch are
+        ``directory``, the outside target's, those of the links on the way, and the parent of
+        ``directory`` (for the directory's own name: see `_wanted`)."""
+        target = self._outside_target(directory)
+        links = self._links_outside(directory)
+        where = [directory] if target is None else [directory, target.parent]
+        where += sorted({link.parent for link, _text in links} - set(where))
+        if directory.parent != directory and directory.parent not in where:
+            where.append(directory.parent)
+        return _Layout(target, links, tuple((d, _identity(d)) for d in where))
 
     def _links_outside(self, directory: Path) -> frozenset[tuple[Path, str]]:
         """Every symlink reading the path goes through, with its text, except those in
@@ -244,16 +303,20 @@ class ConfigWatcher:
         return frozenset((link, text) for link, text in links.items() if link.parent != directory)
 
     def _outside_target(self, directory: Path) -> Path | None:
-        """The file the path resolves to, when that is outside ``directory`` (a ConfigMap's
-        ``..data`` targets stay inside it, and are followed by name)."""
+        """The file the path resolves to, when that is not in ``directory`` itself: its own
+        directory is watched for it.
+
+        Resolved even while the file is missing (not `strict`): a target deleted and written
+        again (`rm` + `cp`) keeps its directory watched, and its return is seen. A target in a
+        subdirectory (``config.toml -> releases/kvgate.toml``) is outside too: the watch of
+        ``directory`` is not recursive, so an edit of it in place would go unseen.
+        """
         try:
-            target = self.path.resolve(strict=True)
-            target.relative_to(directory.resolve())
+            target = self.path.resolve()
+            home = directory.resolve()
         except (OSError, RuntimeError):
-            return None  # gone, or a link loop: the reload that follows says why
-        except ValueError:
-            return target
-        return None
+            return None  # a link loop: the reload that follows says why
+        return None if target.parent == home else target
 
     def _names(self, directory: Path) -> frozenset[str]:
         """Entries of `directory` that reading the path goes through: its own name and those of
@@ -281,8 +344,17 @@ class ConfigWatcher:
                 await self._task
 
 
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of what ``directory`` leads to: the inode a watch of it is set on."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None  # gone: the watch fails and is set up again, the reload says why
+    return (st.st_dev, st.st_ino)
+
+
 def _has_no_settings(text: bytes) -> bool:
     try:
         return not tomllib.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return False  # not TOML at all: `load_settings` says what is wrong with it
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return False  # not TOML at all, or nested too deeply: `load_settings` says so

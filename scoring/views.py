@@ -125,6 +125,15 @@ class Weights:
                 raise ValueError(f"weight {f.name!r} must be finite and >= 0, got {v!r}")
 
 
+def _finite(v: int | float) -> bool:
+    """`math.isfinite`, but False for an int too large for a float (TOML takes any number of
+    digits) instead of its OverflowError, which escaped the config's validation as a crash."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 @dataclass(slots=True, frozen=True)
 class RoutingOptions:
     """Knobs of hashing, the signal models and saturation. Defaults are documented choices.
@@ -182,8 +191,17 @@ class RoutingOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise ValueError(f"routing option {f.name!r} must be a finite number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not _finite(v):
+                got = "an integer too large" if isinstance(v, int) else repr(v)
+                raise ValueError(f"routing option {f.name!r} must be a finite number, got {got}")
+            if f.name in _INT_OPTIONS and not isinstance(v, int):
+                # Counts, sizes and slice bounds: `block_chars = 64.0` (TOML writes a float with
+                # its point) would pass here and make every request hashing a prompt a 500
+                # (a str times a float). A whole float is the number meant; any other is refused.
+                if not v.is_integer():
+                    raise ValueError(f"routing option {f.name!r} must be an integer, got {v!r}")
+                v = int(v)
+                object.__setattr__(self, f.name, v)  # frozen: only here, while being built
             if v < 0:
                 raise ValueError(f"routing option {f.name!r} must be >= 0, got {v!r}")
         for name in (
@@ -206,3 +224,7 @@ class RoutingOptions:
     def key_fields(self) -> tuple[int, ...]:
         """The options that decide what a chain means; the index is reset when they change."""
         return (self.block_chars, self.token_block_size, self.max_blocks, self.tail_ratio)
+
+
+# RoutingOptions fields declared `int` (annotations are strings here: `from __future__`).
+_INT_OPTIONS = frozenset(f.name for f in fields(RoutingOptions) if f.type in ("int", int))
