@@ -190,8 +190,10 @@ async def drive(
     key: str | None = None,
 ) -> RunStats:
     """`n` streamed chats, `concurrency` at a time (bench.sse_client, byte mode): TTFT = first
-    body bytes, SSE events counted; a status other than 200 or a client error is an error (a
-    timeout raises)."""
+    body bytes, SSE events counted. A status other than 200, a client error, an error event in
+    the stream (vLLM's `data: {"error": ...}`, which still ends with [DONE]) or a stream that does
+    not end with `data: [DONE]` is an error, with no TTFT or e2e sample (a timeout raises). The
+    warm-up's errors are not counted either."""
     body = json.dumps(
         {
             "model": MODEL,
@@ -222,17 +224,18 @@ async def drive(
                     st.events += res.events  # a failed stream's events were relayed too
                     if progress is not None and task is not None:
                         progress.advance(task)
+                if res.error is not None or res.stream_error or not res.done:
+                    st.errors += 1
+                    return
                 if res.ttfb is not None:
                     st.ttft.append(res.ttfb)
-                if res.error is not None:
-                    st.errors += 1
-                elif res.e2e is not None:
+                if res.e2e is not None:
                     st.e2e.append(res.e2e)
 
         # Warm the pools so connection setup is not measured.
         await asyncio.gather(*(one() for _ in range(min(concurrency, 20))))
         st.ttft.clear(), st.e2e.clear()
-        st.events = 0
+        st.events = st.errors = 0
         t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
         st.wall = time.perf_counter() - t0
@@ -597,10 +600,11 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
     generator is connected) says when the loop starts, the same instant for all of them.
 
     TTFB is from sending the request to the first body chunk (the first SSE event); e2e to the
-    end of the stream, which must end with `[DONE]`. Measured: every request that ends after
-    the window opens, whenever it was sent, and those still running when it closes are awaited
-    (up to `drain_s`). Counting only requests sent inside the window would hide a request that
-    a router holds from the warm-up to the end."""
+    end of the stream, which must end with `[DONE]` and carry no error event (kind
+    "stream_error"). Measured: every request that ends after the window opens, whenever it was
+    sent, and those still running when it closes are awaited (up to `drain_s`). Counting only
+    requests sent inside the window would hide a request that a router holds from the warm-up to
+    the end."""
     out = Samples()
     prompts = Prompts(shot.tag, shot.seed, shot.prompt_chars)
     headers = {"content-type": "application/json"}
@@ -633,6 +637,8 @@ async def closed_loop(shot: Shot, go: Callable[[], Awaitable[float]] | None = No
             kind = type(res.exc).__name__
         elif res.status != 200:
             kind = res.error or ""
+        elif res.stream_error:  # vLLM's in-stream error: `data: {"error": ...}`, then [DONE]
+            kind = "stream_error"
         elif b"[DONE]" not in res.tail:
             kind = "stream ended without [DONE]"
         else:

@@ -203,7 +203,8 @@ async def _one(
 def _record(rec: RequestRecord, res: StreamResult, t0: float) -> None:
     """`res` (bench.sse_client, parse mode: its timing definitions) into the request's record:
     an error body for a status other than 200, otherwise the stream's error; e2e, `ok` and the
-    output-token fallback (events with choices) only for a stream read to its end."""
+    output-token fallback (events with choices) only for a stream read to its `[DONE]` without
+    an error (a stream cut before it, even after tokens, failed)."""
     rec.sent_s = res.sent_at - t0
     rec.status = res.status
     rec.worker = res.worker
@@ -218,7 +219,7 @@ def _record(rec: RequestRecord, res: StreamResult, t0: float) -> None:
         rec.e2e = res.e2e
         if not rec.output_tokens:
             rec.output_tokens = res.chunks
-        rec.ok = res.ttft is not None
+        rec.ok = res.ttft is not None and res.error is None
 
 
 async def replay(

@@ -12,16 +12,19 @@ into its own record, so the timing definitions below are the only ones:
   a role-only delta does). With `parse=False` nothing is parsed and ttft = ttfb (the simulated
   worker, like vLLM, sends its role chunk with the first token);
 - **itl** (parse mode): the gaps between consecutive events with choices;
-- **e2e**: to the end of the response: the `data: [DONE]` event or the end of the body (a 200),
-  the end of the error body (any other status). None when the request ended in an exception or,
-  in parse mode, stopped at an error event or an unparseable payload;
+- **e2e**: to the end of the response: the `data: [DONE]` event (parse mode) or the end of the
+  body (byte mode; a 200), the end of the error body (any other status). None when the request
+  ended in an exception or, in parse mode, stopped at an error event or an unparseable payload,
+  or its body ended without `data: [DONE]`;
 - **tokens** (parse mode, from the last `usage` seen): prompt_tokens, output_tokens
   (`completion_tokens`), cached_tokens (`prompt_tokens_details.cached_tokens`, 0 when absent);
   `chunks` counts the events with choices, the output fallback when there is no usage.
 
 Parse mode (`bench.replay`) reads line by line and decodes every `data:` payload with orjson; an
 event with `error` and no choices, or a payload that is not a JSON object, ends the request with
-an error, and a stream that ends without a token is an error. Byte mode (overhead, spike: the
+an error; a body that ends without `data: [DONE]` is an error (`"stream ended without [DONE]"`:
+vLLM ends every stream it completes, failed ones included, with it, so a stream without it was
+cut), and so is a stream that ends without a token. Byte mode (overhead, spike: the
 generator shares cores with the system under test, so it must stay cheap) decodes nothing: per
 chunk it keeps the last `TAIL` bytes (`done`: the stream ended with `data: [DONE]`), counts
 `\\n\\n` event ends (`events`) and flags a `{"error"` anywhere in the body (`stream_error`); the
@@ -70,7 +73,8 @@ class StreamResult:
     cached_tokens: int | None = None  # parse mode, usage.prompt_tokens_details.cached_tokens
     tail: bytes = b""  # byte mode: the body's last TAIL bytes
     stream_error: bool = False  # byte mode: an `{"error"` in the body
-    error: str | None = None  # None: no error found (byte mode: check `done` / `stream_error`)
+    error: str | None = None  # None: no error found (byte mode: check `done` / `stream_error`;
+    # parse mode has checked both: an error event or a missing [DONE] is an error)
     exc: BaseException | None = None  # the exception behind `error`, if one
     body: bytes = b""  # the body of a response other than 200
     encoding: str = "utf-8"  # that body's charset (aiohttp's resolution)
@@ -166,6 +170,7 @@ async def _read_events(
     resp: aiohttp.ClientResponse, res: StreamResult, start: float, later: Callable[[], None] | None
 ) -> None:
     last: float | None = None
+    done = False
     async for raw in resp.content:
         if res.ttfb is None:
             res.ttfb = time.perf_counter() - start
@@ -174,6 +179,7 @@ async def _read_events(
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
+            done = True
             break
         now = time.perf_counter()
         try:
@@ -201,6 +207,9 @@ async def _read_events(
             res.output_tokens = int(usage.get("completion_tokens") or 0)
             details = usage.get("prompt_tokens_details") or {}
             res.cached_tokens = int(details.get("cached_tokens") or 0)
+    if not done:  # cut: no finish_reason, no usage, no [DONE]; not read to its end
+        res.error = "stream ended without [DONE]"
+        return
     res.e2e = time.perf_counter() - start
     if res.ttft is None:
         res.error = "stream ended without a token"

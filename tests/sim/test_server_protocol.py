@@ -117,7 +117,8 @@ async def test_chat_stream_framing_and_chunk_shapes(
     )
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
-    assert r.headers["x-request-id"] == "req-42"
+    # vLLM 0.32 sends no X-Request-Id without --enable-request-id-headers; the id is reused below.
+    assert "x-request-id" not in r.headers
     chunks = parse_stream(r.content)
 
     assert list(chunks[0]) == [*CHAT_CHUNK_KEYS, "prompt_token_ids", "prompt_text"]
@@ -273,7 +274,7 @@ async def test_nonstream_chat_full_shape(client: httpx.AsyncClient, sim_url: str
     )
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
-    assert r.headers["x-request-id"] == "abc"
+    assert "x-request-id" not in r.headers  # as vLLM 0.32 without --enable-request-id-headers
     d = r.json()
     assert list(d) == [
         "id",
@@ -496,6 +497,62 @@ async def test_unknown_route_and_method(client: httpx.AsyncClient, sim_url: str)
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     r = await client.get(f"{sim_url}/v1/chat/completions")
     assert r.status_code == 405
+
+
+async def test_request_id_headers_only_when_enabled(
+    client: httpx.AsyncClient, sim_fleet: SimFleet
+) -> None:
+    """vLLM 0.32 sends X-Request-Id only with --enable-request-id-headers, then on every
+    response: the client's value, else a fresh uuid4 hex (its XRequestIdMiddleware)."""
+    base = sim_fleet[0]
+    mine = {"x-request-id": "rid-7"}
+
+    async def calls() -> list[httpx.Response]:
+        return [
+            await client.post(
+                f"{base}/v1/chat/completions", json=chat_body(max_tokens=2), headers=mine
+            ),
+            await client.post(
+                f"{base}/v1/completions",
+                json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True},
+                headers=mine,
+            ),
+            await client.post(f"{base}/v1/chat/completions", json={"model": MODEL}, headers=mine),
+            await client.get(f"{base}/v1/chat/completions", headers=mine),
+            await client.get(f"{base}/health", headers=mine),
+            await client.get(f"{base}/v1/nothing", headers=mine),
+        ]
+
+    off = await calls()
+    assert [r.status_code for r in off] == [200, 200, 400, 405, 200, 404]
+    assert all("x-request-id" not in r.headers for r in off)
+    # The response id still reuses the client's X-Request-Id.
+    assert off[0].json()["id"] == "chatcmpl-rid-7"
+
+    sim_fleet.workers[0].request_id_headers = True
+    on = await calls()
+    assert [r.status_code for r in on] == [200, 200, 400, 405, 200, 404]
+    assert all(r.headers.get_list("x-request-id") == ["rid-7"] for r in on)
+    fresh = await client.post(f"{base}/v1/chat/completions", json=chat_body(max_tokens=2))
+    assert len(fresh.headers["x-request-id"]) == 32 and int(fresh.headers["x-request-id"], 16) >= 0
+
+
+def test_enable_request_id_headers_is_vllms_flag_off_by_default() -> None:
+    import argparse
+
+    from workers.sim.app import create_app
+    from workers.sim.cli import _configure, build_configs
+    from workers.sim.config import SimWorkerConfig
+
+    assert create_app(SimWorkerConfig()).state.worker.request_id_headers is False
+    app = create_app(SimWorkerConfig(enable_request_id_headers=True))
+    assert app.state.worker.request_id_headers is True
+    p = argparse.ArgumentParser()
+    _configure(p)
+    (cfg,) = build_configs(p.parse_args(["--enable-request-id-headers"]))
+    assert cfg.enable_request_id_headers is True
+    (cfg,) = build_configs(p.parse_args([]))
+    assert cfg.enable_request_id_headers is False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -918,6 +975,8 @@ async def test_responses_match_recorded_vllm_shapes() -> None:
             assert r.status_code == meta["status"], (name, r.text[:300])
             want_ct = dict(meta["headers"]).get("content-type")
             assert r.headers.get("content-type") == want_ct, name
+            recorded_rid = any(h.lower() == "x-request-id" for h, _ in meta["headers"])
+            assert ("x-request-id" in r.headers) == recorded_rid, name
             if name.endswith(".sse"):
                 ours = parse_stream(r.content)
                 theirs = parse_stream(expected)

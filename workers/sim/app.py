@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,13 +69,21 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
+def _response_rid(w: SimWorker, headers: dict[bytes, bytes]) -> bytes | None:
+    """The X-Request-Id response header's value, or None: vLLM sends one only when started with
+    --enable-request-id-headers (its XRequestIdMiddleware: the client's, else a uuid4 hex)."""
+    if not w.request_id_headers:
+        return None
+    return headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+
 def _headers(status: int, ctype: bytes, rid: bytes | None, length: int | None = None) -> Message:
     hdrs = [(b"content-type", ctype)]
     if length is not None:
         hdrs.append((b"content-length", str(length).encode()))
-    if rid:
-        hdrs.append((b"x-request-id", rid))
     hdrs.append((b"vary", b"Origin"))
+    if rid:  # after `vary`: vLLM's XRequestIdMiddleware wraps its CORS middleware
+        hdrs.append((b"x-request-id", rid))
     return {"type": "http.response.start", "status": status, "headers": hdrs}
 
 
@@ -114,15 +123,15 @@ class _GenerateEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         w = self.worker
+        headers = dict(scope.get("headers", ()))
+        rid = _response_rid(w, headers)
         if scope.get("method") != "POST":
             body = b'{"detail":"Method Not Allowed"}'
-            start = _headers(405, _JSON_CT, None, len(body))
+            start = _headers(405, _JSON_CT, rid, len(body))
             start["headers"].append((b"allow", b"POST"))
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
-        headers = dict(scope.get("headers", ()))
-        rid_hdr = headers.get(b"x-request-id")
         try:
             raw = await _read_body(receive)
         except _ClientGone:
@@ -133,9 +142,8 @@ class _GenerateEndpoint:
             tracker = Tracker(w.metrics, w.profile, time.monotonic())
             handle = w.submit(g)
         except HTTPError as e:
-            await _send_json(send, e.status, e.body(), rid_hdr)
+            await _send_json(send, e.status, e.body(), rid)
             return
-        rid = rid_hdr or g.base_id.encode("latin-1", "replace")
         if g.stream:
             try:
                 await send(_headers(200, _SSE_CT, rid))
@@ -191,7 +199,9 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 def _routes(w: SimWorker) -> list[Route]:
     async def health(_: Request) -> Response:
-        if w.faults.unhealthy:
+        # vLLM: 503 once the engine is dead; here, once the engine loop stopped (`loop.error`
+        # holds why, when it crashed).
+        if w.faults.unhealthy or not w.loop.alive:
             return Response(b"", status_code=503)
         return Response(b"", status_code=200)
 
@@ -338,19 +348,26 @@ async def _not_allowed(_: Request, __: Exception) -> Response:
 
 
 class _VaryOrigin:
-    """vLLM's CORS middleware adds `vary: Origin` to every response; so do we, for parity."""
+    """vLLM's CORS middleware adds `vary: Origin` to every response; so do we, for parity. With
+    the worker's `request_id_headers` on, X-Request-Id too (vLLM's XRequestIdMiddleware)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, worker: SimWorker | None = None) -> None:
         self.app = app
+        self.worker = worker
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        extra = [(b"vary", b"Origin")]
+        if self.worker is not None:
+            rid = _response_rid(self.worker, dict(scope.get("headers", ())))
+            if rid is not None:
+                extra.append((b"x-request-id", rid))
 
         async def send_vary(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), (b"vary", b"Origin")]
+                message["headers"] = [*message.get("headers", ()), *extra]
             await send(message)
 
         await self.app(scope, receive, send_vary)
@@ -391,7 +408,7 @@ def create_app(cfg: SimWorkerConfig) -> Starlette:
         routes=_routes(worker),
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _not_allowed},
-        middleware=[Middleware(_VaryOrigin)],
+        middleware=[Middleware(_VaryOrigin, worker=worker)],
     )
     app.fast_paths = {
         "/v1/chat/completions": _GenerateEndpoint(worker, chat=True),

@@ -67,6 +67,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help="number of workers, on consecutive ports, named sim-1..sim-N (default: %(default)s)",
     )
     net.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="send X-Request-Id on every response, the client's or a new one (vLLM's flag; off "
+        "by default, as in vLLM)",
+    )
+    net.add_argument(
         "--model",
         "--served-model-name",
         dest="model",
@@ -276,6 +282,7 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
             kv_replay_port=kv_base + 2 * i + 1 if kv_base is not None else 0,
             kv_events_topic=getattr(args, "kv_events_topic", "kv"),
             kv_events_layout=getattr(args, "kv_events_layout", "0.32"),
+            enable_request_id_headers=getattr(args, "enable_request_id_headers", False),
         )
         for i in range(args.workers)
     ]

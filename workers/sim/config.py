@@ -41,3 +41,5 @@ class SimWorkerConfig:
     kv_events_topic: str = "kv"
     kv_events_layout: str = "0.32"  # "0.32": maps tagged by "type"; "0.11": positional arrays
     kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
+    # vLLM's --enable-request-id-headers: every response carries X-Request-Id (off, as in vLLM).
+    enable_request_id_headers: bool = False

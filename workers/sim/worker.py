@@ -103,6 +103,9 @@ class SimWorker:
         self.perm_id = f"modelperm-{secrets.token_hex(8)}"
         self._seq = itertools.count()
         self.num_requests = 0
+        # vLLM's --enable-request-id-headers (off by default, as in vLLM 0.32): every response
+        # carries X-Request-Id, the client's or a fresh uuid4 hex (`create_app` may override).
+        self.request_id_headers = cfg.enable_request_id_headers
         # Last, so nothing after the bind can fail and leave its sockets open.
         self.kv_publisher: KVEventPublisher | None = None
         if cfg.kv_events:
@@ -325,10 +328,24 @@ class SimWorker:
         }
         if "ignore_eos" in _SIMREQ_FIELDS:
             kwargs["ignore_eos"] = g.ignore_eos
+        if not self.loop.alive:
+            raise self.engine_dead()
         try:
             return self.loop.submit(SimRequest(**kwargs))
         except ValueError as e:  # e.g. a request larger than the whole KV cache
             raise HTTPError(str(e)) from None
+        except RuntimeError:  # the loop is not running (EngineLoop.submit)
+            raise self.engine_dead() from None
+
+    def engine_dead(self) -> HTTPError:
+        """What vLLM answers once its engine is dead (EngineDeadError): a 500 in the envelope."""
+        err = self.loop.error
+        cause = "" if err is None else f" ({type(err).__name__}: {err})"
+        return HTTPError(
+            "EngineCore encountered an issue. See stack trace (above) for the root cause." + cause,
+            500,
+            "InternalServerError",
+        )
 
     async def apply_pre_faults(self) -> None:
         """Faults that act before the first byte: crash, injected errors, added latency."""
