@@ -6,8 +6,9 @@ bound on open connections short of `limit_concurrency` (which counts requests as
 accepts the idle ones that exhaust file descriptors), and answers malformed requests in plain text.
 A few thousand silent or half-sent connections then lock every real client out. So:
 
-* `GuardedHttpProtocol` bounds the time to a complete request head (`server.head_timeout_s`) and
-  its size, closes idle keep-alive connections (`server.keepalive_timeout_s`), and keeps open
+* `GuardedHttpProtocol` bounds the time to a complete request head (`server.head_timeout_s`),
+  its size, its number of fields (`MAX_HEADER_FIELDS`) and its request-target (`MAX_URL_BYTES`,
+  414), closes idle keep-alive connections (`server.keepalive_timeout_s`), and keeps open
   connections under `server.max_connections`. At the cap a new connection makes room by closing
   the oldest *idle* one (no complete request head yet, or waiting between requests): a flood of
   idle sockets then recycles itself while real clients, whose heads arrive within milliseconds,
@@ -18,7 +19,12 @@ A few thousand silent or half-sent connections then lock every real client out. 
   trailer fields are dropped and counted as head bytes (uvicorn added them to the request's
   headers); a response that beats its request's body closes the connection (the rest of the body
   was read as the next head). A refusal or a lost client ends the running request and drops the
-  queued ones (uvicorn told only the last one parsed: under pipelining a queued one).
+  queued ones (uvicorn told only the last one parsed: under pipelining a queued one). While
+  reading is paused (a queued request's body past 64 KiB), the socket's TCP state is read each
+  second, so a client that leaves is still seen (`GuardedHttpProtocol._check_paused`).
+* What llhttp lets through and RFC 9110/9112 do not: an HTTP/1.1 request without exactly one
+  Host (400; HTTP/1.0 without one is served), a transfer coding other than `chunked` (501, or
+  400 when `chunked` is not the last), `100 Continue` to an HTTP/1.0 client (not sent).
 * A connection the server closes with bytes it wrote still unsent (in the transport's buffer:
   a client that does not read) is aborted instead, with a reset: asyncio's and uvloop's `close`
   waits for the buffer to drain, forever for such a client, and the socket, its pending bytes
@@ -57,6 +63,7 @@ import httptools
 import uvicorn
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -87,6 +94,23 @@ _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 # that pipeline send two or three; at the cap the parser stops, the last queued request's answer
 # closes the connection, and the client sends the unanswered ones again (RFC 9112 9.3.2).
 MAX_PIPELINED = 8
+# Fields one request head may carry (and, apart, one trailer section): past it a 431. The byte
+# bound alone let a head of 32,000 empty `a:` fields through, each a parser callback, a tuple
+# and a list entry: ~40x the CPU per byte of one big field. Clients send 10 to 30 (Apache's
+# LimitRequestFields is 100, Tomcat's maxHeaderCount 100).
+MAX_HEADER_FIELDS = 256
+# Bytes of a request-target: past it a 414 (RFC 9112 section 3). Nothing served here takes more
+# than a short path and query (httptools' URL parser fails past 64 KiB, which read as a 400).
+MAX_URL_BYTES = 16 * 1024
+# While reading is paused (uvicorn pauses it once a request holds more than 64 KiB of body that
+# nobody reads: a queued pipelined one), how often the socket's TCP state is read: the FIN of a
+# client that left sits unread in the kernel, and the running request worked on for nobody.
+PAUSED_CHECK_S = 1.0
+# tcp_info's first byte, `tcpi_state` (linux/tcp_states.h): the peer has closed (a FIN: CLOSE_WAIT)
+# or reset the connection (CLOSE).
+_PEER_CLOSED = frozenset({7, 8})
+# The head fields `on_header` looks at (one set lookup per field; the rest only when one matches).
+_NOTED_FIELDS = frozenset({b"host", b"expect", b"transfer-encoding"})
 
 
 def _envelope_response(
@@ -228,6 +252,21 @@ class ConnectionGuard:
 _on_message_begin = HttpToolsProtocol.on_message_begin
 _on_headers_complete = HttpToolsProtocol.on_headers_complete
 _on_response_complete = HttpToolsProtocol.on_response_complete
+_TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux
+
+
+def _peer_closed(transport: asyncio.Transport) -> bool:
+    """Whether the client closed or reset the connection, from the socket's TCP state (what a
+    paused transport does not read). False where that cannot be read (not TCP, not Linux)."""
+    if _TCP_INFO is None:
+        return False
+    try:
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 8)[0] in _PEER_CLOSED
+    except (OSError, ValueError):  # closed meanwhile (uvloop's socket raises ValueError)
+        return False
 
 
 class _StopParsing(Exception):
@@ -290,6 +329,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # Bytes received while the current head is incomplete, or of its trailer section.
         self._head_bytes = 0
         self._waiting = True  # no complete head since the connection opened or the last request
+        # Of the head being parsed: its Host fields, and its Transfer-Encoding values.
+        self._hosts = 0
+        self._te: list[bytes] | None = None
+        self._trailer_fields = 0  # fields of the trailer section being parsed
         self._counted = False  # counted in guard.open
         self._lingering = False  # refused: reading and dropping what the client still sends
         self._discard = False  # the parser stopped (lingering, or no more requests taken)
@@ -307,6 +350,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._drain_at = 0.0
         self._drain_stall_s = 0.0
         self._drain_probe: AckProbe | None = None
+        # While reading is paused, the check of the socket's TCP state (`_check_paused`).
+        self._paused_timer: asyncio.TimerHandle | None = None
 
     # -- connection lifetime ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -363,6 +408,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         g.lingering.pop(self, None)
         self._cancel_timer()
         self._stop_drain_watch()
+        if self._paused_timer is not None:
+            self._paused_timer.cancel()
+            self._paused_timer = None
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -514,6 +562,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         chunk = self._in_chunk
         if chunk is not None:
             body = len(chunk.body)
+        # Inside a head (or between requests) at the read's start; `cycle` changes with each
+        # head the read completes.
+        waiting = self._waiting
+        cycle = self.cycle
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -530,8 +582,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._waiting:
             if not self._lingering and not self.transport.is_closing():
-                # Still no complete head after this chunk: bound its size and its time.
-                self._head_bytes += len(data)
+                # Still no complete head after this chunk: bound its size and its time. Only a
+                # read that lay within the head counts whole; one where the head began after
+                # other bytes (a body's tail, whole pipelined requests) charged those to the
+                # head, and a valid request behind a big body got a 431 (its predecessor, still
+                # running, ended unanswered). Such a head is charged from its next read (one
+                # read, at most 256 KiB, uncounted); 1 marks it begun (`_on_head_timeout`).
+                if waiting and self.cycle is cycle:
+                    self._head_bytes += len(data)
+                else:
+                    self._head_bytes = 1
                 if self._head_bytes > self.guard.max_head_bytes:
                     self.guard.head_too_large += 1
                     self._refuse(
@@ -555,15 +615,42 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._stop_taking()
             raise _StopParsing
         self._waiting = True
+        self._head_bytes = 0  # not a trailer section's before it
+        self._hosts = 0
+        self._te = None
         _on_message_begin(self)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url  # uvicorn's own
+        if len(self.url) > MAX_URL_BYTES:
+            self.guard.head_too_large += 1
+            self._refuse(414, f"The request target is over {MAX_URL_BYTES} bytes.", "uri_too_long")
+            raise _StopParsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._waiting:  # a field of the head: uvicorn's own, inline (a call per field saved)
             name = name.lower()
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.expect_100_continue = True
-            self.headers.append((name, value))
-        elif self._trailer_bytes(len(name) + len(value) + 4):
+            headers = self.headers
+            if len(headers) >= MAX_HEADER_FIELDS:
+                self.guard.head_too_large += 1
+                self._refuse(
+                    431,
+                    f"Too many request header fields (at most {MAX_HEADER_FIELDS}).",
+                    "request_header_fields_too_large",
+                )
+                raise _StopParsing
+            if name in _NOTED_FIELDS:
+                if name == b"host":
+                    self._hosts += 1
+                elif name == b"expect":
+                    if value.lower() == b"100-continue":
+                        self.expect_100_continue = True
+                elif self._te is None:
+                    self._te = [value]
+                else:  # several lines are one list (RFC 9110 section 5.3)
+                    self._te.append(value)
+            headers.append((name, value))
+        elif self._trailer_field(len(name) + len(value) + 4):
             raise _StopParsing
 
     def on_headers_complete(self) -> None:
@@ -576,6 +663,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
         self._idle.pop(self, None)
+        if (self._hosts != 1 or self._te is not None) and self._refuse_head():
+            raise _StopParsing
+        if self.expect_100_continue and self.parser.get_http_version() != "1.1":
+            # An HTTP/1.0 client is sent no `100 Continue` (RFC 9110 sections 10.1.1, 15.2).
+            self.expect_100_continue = False
         if self.parser.should_upgrade():
             self._upgrade_requested()
             return
@@ -590,13 +682,96 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:
             self._running = self.cycle  # started at once (a queued one: `on_response_complete`)
 
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's own, inline (its upgrade check is moot: the parser stops at an upgrade's head)
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            # Over 64 KiB of body nobody reads yet (a queued pipelined request's, whose turn
+            # comes after the running one's answer): reading pauses, and is watched.
+            self.flow.pause_reading()
+            if self._paused_timer is None:
+                self._paused_timer = self.loop.call_later(PAUSED_CHECK_S, self._check_paused)
+        cycle.message_event.set()
+
+    def _check_paused(self) -> None:
+        """Reading is paused, so a client that leaves goes unseen: its FIN waits in the kernel,
+        and the running request (a long completion) worked on to the end for nobody, its slot
+        and lease held. The socket's TCP state says it: closed by the peer ends the requests
+        and the connection. Checked while reading stays paused (not queued bodies read on: they
+        are up to `max_body_bytes` each, times `MAX_PIPELINED`)."""
+        self._paused_timer = None
+        if not self.flow.read_paused or self._raw.is_closing():
+            return
+        if _peer_closed(self._raw):
+            log.debug("client %s left while reading was paused", self.client)
+            self._end_requests()
+            self._give_up()
+            return
+        self._paused_timer = self.loop.call_later(PAUSED_CHECK_S, self._check_paused)
+
+    def _refuse_head(self) -> bool:
+        """The head has no Host field, or several, or a Transfer-Encoding (rare: checked only
+        then): True when that refused the request. llhttp let through an HTTP/1.1 request with
+        no Host or two (RFC 9112 section 3.2: 400), and a coding before `chunked` (`gzip,
+        chunked`), which the app read as the plain body (section 6.1: 501)."""
+        if self._hosts > 1 or (not self._hosts and self.parser.get_http_version() == "1.1"):
+            self.guard.bad_requests += 1
+            self._refuse(
+                400,
+                "A request may carry only one Host header field."
+                if self._hosts
+                else "An HTTP/1.1 request needs a Host header field.",
+                "bad_http_request",
+            )
+            return True
+        if self._te is None:
+            return False
+        listed = (c.strip().lower() for c in b",".join(self._te).split(b","))
+        codings = [c for c in listed if c]  # a list's empty elements are ignored (RFC 9110 5.6.1)
+        if codings == [b"chunked"]:
+            return False
+        self.guard.bad_requests += 1
+        if not codings or codings[-1] != b"chunked" or codings.count(b"chunked") > 1:
+            # The body's length cannot be known (RFC 9112 section 6.3; llhttp refuses it too, but
+            # after this callback, with the request's task started).
+            self._refuse(
+                400,
+                "Malformed HTTP request (Transfer-Encoding must end in a single chunked).",
+                "bad_http_request",
+            )
+        else:
+            self._refuse(
+                501,
+                "Only the chunked transfer coding is supported.",
+                "unsupported_transfer_coding",
+            )
+        return True
+
     # A chunked body's chunks: what follows the last one's size line is the trailer section.
     def on_chunk_header(self) -> None:
         self._in_chunk = self.cycle
+        self._trailer_fields = 0
 
     def on_chunk_complete(self) -> None:
         self._in_chunk = None
         self._head_bytes = 0
+
+    def _trailer_field(self, n: int) -> bool:
+        """A trailer field of ``n`` bytes: counted against `MAX_HEADER_FIELDS` and the head's
+        bound (`_trailer_bytes`); True when that refused the request."""
+        self._trailer_fields += 1
+        if self._trailer_fields <= MAX_HEADER_FIELDS:
+            return self._trailer_bytes(n)
+        self.guard.head_too_large += 1
+        self._refuse(
+            431,
+            f"Too many request trailer fields (at most {MAX_HEADER_FIELDS}).",
+            "request_header_fields_too_large",
+        )
+        return True
 
     def _trailer_bytes(self, n: int) -> bool:
         """Count ``n`` bytes of a trailer section against the head's bound; True when that

@@ -404,3 +404,51 @@ async def _a_client_leaving_with_a_request_queued_aborts_the_running_one() -> No
         )
         assert len(conn.pipeline) == 0
         assert worker.answered == 0
+
+
+# -- a pipelined head is bounded by its own bytes --------------------------------------------------
+@RUNNERS
+def test_a_pipelined_head_split_after_a_body_tail_is_not_charged_the_tail(runner: Runner) -> None:
+    """The review's shape: a completion with a body, its last bytes and the first bytes of a
+    pipelined GET in one read, the rest of the GET's head in the next. The whole first read was
+    counted as head bytes: past the head's bound (here 2 KiB) the GET got a 431 and the running
+    completion was ended unanswered. Now both are answered."""
+    runner(_a_pipelined_head_split_after_a_body_tail_is_not_charged_the_tail())
+
+
+async def _a_pipelined_head_split_after_a_body_tail_is_not_charged_the_tail() -> None:
+    worker = HeldWorker()
+    async with (
+        raw_worker(worker.script) as (url, _posts),
+        # The server's head bound is twice max_header_bytes: 2 KiB.
+        run_gateway(settings_for([url], server={"max_header_bytes": 1024})) as g,
+    ):
+        await g.wait_healthy(1)
+        port = int(g.url.rsplit(":", 1)[1])
+        body = (
+            orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})[:-1]
+            + b" " * 40_000
+            + b"}"
+        )  # valid JSON, padded
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(head + body[:-10_000])
+        await w.drain()
+        await until(lambda: bool(g.server.server_state.connections), WAIT_S, "connected")  # type: ignore[union-attr]
+        conn = _conn(g)
+        await until(lambda: not conn._waiting, WAIT_S, "the completion's head read")
+        # 10 kB of body tail (5 times the head bound) and the GET's first bytes: one segment.
+        w.write(body[-10_000:] + HEALTH[:20])
+        await asyncio.wait_for(worker.got.wait(), WAIT_S)  # the whole body was read
+        await until(lambda: conn._waiting, WAIT_S, "the GET's head begun")
+        w.write(HEALTH[20:])
+        await until(lambda: len(conn.pipeline) == 1, WAIT_S, "the GET queued")
+        worker.release.set()
+        got = await _read_responses(r, 2)
+        w.close()
+        assert [head.split(b"\r\n", 1)[0] for head, _ in got] == [b"HTTP/1.1 200 OK"] * 2
+        assert b"pipelined" in got[0][1]
+        assert g.server.guard.head_too_large == 0  # type: ignore[union-attr]
