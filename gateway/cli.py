@@ -103,7 +103,7 @@ def run_async(coro) -> None:  # type: ignore[no-untyped-def]
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.process_child import ChildSpec
-    from gateway.supervisor import process_count, supervise
+    from gateway.supervisor import process_count, shared_state_problem, supervise
 
     child = ChildSpec.from_arg(args.child) if args.child else None
     # Until the config watcher (or the supervisor) takes SIGHUP over, a reload sent while the
@@ -134,6 +134,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         sys.exit(f"kvgate: --processes: {e}")
+    if child is None and processes == 1:
+        problem = shared_state_problem(settings, processes)
+        if problem:
+            print(f"kvgate: {problem}", file=sys.stderr, flush=True)
+            return 2
     if child is None and processes > 1:
         argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", args.config]
         for flag, value in (("--host", args.host), ("--port", args.port)):

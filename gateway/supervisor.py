@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.config import Settings
+from gateway.config import Settings, TenantSettings
 from gateway.process_child import (
     EXIT_CONFIG_REFUSED,
     STATE_FILE,
@@ -142,14 +142,40 @@ def process_count(value: int | str) -> int:
 
 
 def shared_state_problem(settings: Settings, processes: int) -> str | None:
-    """Why `settings` cannot run as `processes` processes, in one line, or None."""
-    if processes > 1 and settings.quota.backend != "redis":
+    """Why `settings` cannot run as `processes` processes, in one line, or None.
+
+    Also for one process that is one of several replicas ([cluster] on, or `quota.replicas` >
+    1): with the memory backend each replica enforced the rate and concurrency limits on its own
+    (two admitted 10 requests against a burst of 5) and nothing said so. Checked at the start
+    only: a reload cannot change [quota] or [cluster] enabled (restart-only, pinned).
+    Per-request caps (`max_input_tokens`, `max_output_tokens`) need no shared state."""
+    if settings.quota.backend == "redis":
+        return None
+    if processes > 1:
         return (
             f"server.processes = {processes} needs shared quotas: set [quota] backend = "
             f'"redis" (and redis_url); with the memory backend each process would enforce every '
             f"limit on its own, {processes} times over"
         )
+    if settings.cluster.enabled or settings.quota.replicas > 1:
+        limited = sorted(n for n, t in settings.tenants.items() if _shared_limit(t))
+        if limited:
+            return (
+                '[quota] backend = "memory" with several replicas ([cluster] enabled or '
+                "quota.replicas > 1): each would enforce the rate and concurrency limits of "
+                f'tenants {limited} on its own; set [quota] backend = "redis" (and redis_url)'
+            )
     return None
+
+
+def _shared_limit(t: TenantSettings) -> bool:
+    """A limit counted across requests (rates, bursts, concurrency): one every replica shares."""
+    own = (t.rpm, t.tpm, t.burst_requests, t.burst_tokens, t.max_concurrent)
+    return any(v is not None for v in own) or any(
+        v is not None
+        for m in t.model_limits.values()
+        for v in (m.rpm, m.tpm, m.burst_requests, m.burst_tokens)
+    )
 
 
 def child_environment(settings: Settings, processes: int) -> dict[str, str]:
