@@ -209,9 +209,15 @@ class PreciseSink:
             elif isinstance(ev, BlockRemoved):
                 # Only the groups indexed: vLLM reports an eviction per group, with the same
                 # engine hash in every group that held the block.
-                done += len(ev.engine_hashes) or 1
+                # In slices, as stores are: one event can name millions of hashes.
+                hashes = ev.engine_hashes
+                n = len(hashes)
+                done += n or 1
                 if ev.group_idx in groups:
-                    idx.removed(worker, ev.engine_hashes, ev.medium, now)
+                    for i in range(0, n or 1, step):
+                        if i:
+                            yield
+                        idx.removed(worker, hashes[i : i + step], ev.medium, now)
             elif isinstance(ev, AllBlocksCleared):
                 done += 1
                 self.resets[(worker, "cleared")] += 1
@@ -332,6 +338,10 @@ class KVEventFleet:
             self._subs[name] = (ep, sub)
             await sub.start()
             log.info("kv events: subscribed to %s for %s", ep.endpoint, name)
+        # Probe memory goes with the worker (probed workers not subscribed yet too), or every
+        # name that ever came and went would stay.
+        for name in [n for n in self._seen if n not in endpoints]:
+            del self._seen[name]
 
     def note_probe(self, worker: str, healthy: bool, process_start: float | None) -> None:
         """A probe's outcome: a health flap or a new process start time voids what the worker's
@@ -355,6 +365,7 @@ class KVEventFleet:
         return {name: sub.stats for name, (_ep, sub) in self._subs.items()}
 
     async def close(self) -> None:
+        self._seen.clear()
         subs, self._subs = self._subs, {}
         for _ep, sub in subs.values():
             await sub.stop()

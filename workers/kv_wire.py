@@ -1,7 +1,7 @@
 """vLLM KV-cache events on the wire: the event types and the msgpack batch codec.
 
 Formats drift between vLLM releases, so decoding is strict about structure (a malformed batch is
-an error, never a half-applied guess) but tolerant of growth (unknown event types and trailing
+an error, never a half-applied guess) but tolerant of growth (unknown event types and a few trailing
 fields are skipped). Pure: no sockets, no event loop; ``workers.kv_events`` subscribes to a
 worker's stream and hands what this module decodes to the index.
 
@@ -21,6 +21,8 @@ import msgpack
 
 __all__ = [
     "FULL_ATTENTION",
+    "MAX_BATCH_EXTRA_FIELDS",
+    "MAX_HASH_BYTES",
     "MAX_LORA_NAME_CHARS",
     "MAX_SALT_CHARS",
     "SKIP_TAGS_MAX",
@@ -65,6 +67,11 @@ MAX_LORA_NAME_CHARS = 256
 UNKEYABLE_SALT_UNKNOWN = "salt_unknown"
 UNKEYABLE_SALT = "salt_too_long"
 UNKEYABLE_LORA_NAME = "lora_name_too_long"
+# An engine hash sent as bytes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) is a digest: 32 bytes for
+# vLLM's sha256 and sha256_cbor, 16 for xxhash (xxh3_128), 36 with a group id left on. The
+# index keeps each one as a key and bounds a worker by entries, not bytes: a longer "hash" let a
+# publisher park kilobytes per entry (64 KiB ones: 9.8 GiB at one worker's cap).
+MAX_HASH_BYTES = 64
 
 
 # --------------------------------------------------------------------------- events
@@ -137,8 +144,12 @@ def _is_int(v: object) -> bool:
 
 
 def _hash(v: object, what: str) -> EngineHash:
-    if _is_int(v) or isinstance(v, bytes):
+    if _is_int(v):
         return v  # type: ignore[return-value]
+    if isinstance(v, bytes):
+        if len(v) > MAX_HASH_BYTES:
+            raise _fail(f"{what}: a {len(v)}-byte hash, over {MAX_HASH_BYTES}")
+        return v
     raise _fail(f"{what}: expected int or bytes, got {type(v).__name__}")
 
 
@@ -146,15 +157,20 @@ def _hash(v: object, what: str) -> EngineHash:
 # a hash per block and a token id per token, and a per-element Python check was most of the
 # decode's cost (bool is an int subclass but never valid here, hence `type`, not isinstance).
 _INT_ONLY = frozenset({int})
-_HASH_TYPES = frozenset({int, bytes})
+_BYTES_ONLY = {bytes}
 
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:
     if not isinstance(v, list):
         raise _fail(f"block_hashes: expected a list, got {type(v).__name__}")
-    if not _HASH_TYPES.issuperset(map(type, v)):
-        for h in v:
-            _hash(h, "block_hashes")  # names the offending type
+    types = set(map(type, v))
+    if not _INT_ONLY.issuperset(types):
+        if types == _BYTES_ONLY:
+            if max(map(len, v)) > MAX_HASH_BYTES:
+                raise _fail(f"block_hashes: a {max(map(len, v))}-byte hash, over {MAX_HASH_BYTES}")
+        else:
+            for h in v:
+                _hash(h, "block_hashes")  # names the offending type or length
     return tuple(v)
 
 
@@ -248,15 +264,15 @@ def stored_event(
     )
 
 
-def _required(m: dict[Any, Any], *keys: str) -> list[Any]:
-    missing = [k for k in keys if k not in m]
-    if missing:
-        raise _fail(f"missing {', '.join(missing)}")
-    return [m[k] for k in keys]
+def _fail_missing(m: dict[Any, Any], *keys: str) -> KVEventDecodeError:
+    return _fail(f"missing {', '.join(k for k in keys if k not in m)}")
 
 
 def _stored_from_map(m: dict[Any, Any]) -> BlockStored:
-    hashes, token_ids, block_size = _required(m, "block_hashes", "token_ids", "block_size")
+    try:  # no helper: this runs for every stored event
+        hashes, token_ids, block_size = m["block_hashes"], m["token_ids"], m["block_size"]
+    except KeyError:
+        raise _fail_missing(m, "block_hashes", "token_ids", "block_size") from None
     return stored_event(
         hashes,
         m.get("parent_block_hash"),
@@ -272,7 +288,10 @@ def _stored_from_map(m: dict[Any, Any]) -> BlockStored:
 
 
 def _removed_from_map(m: dict[Any, Any]) -> BlockRemoved:
-    (hashes,) = _required(m, "block_hashes")
+    try:
+        hashes = m["block_hashes"]
+    except KeyError:
+        raise _fail_missing(m, "block_hashes") from None
     return BlockRemoved(_hashes(hashes), _soft_str(m.get("medium")), _group(m.get("group_idx")))
 
 
@@ -283,10 +302,13 @@ def _at(a: list[Any], i: int) -> Any:
 def _stored_from_array(a: list[Any]) -> BlockStored:
     # ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, (later releases
     # append, in struct order:) lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...]
-    if len(a) < 5:
-        raise _fail(f"BlockStored array of {len(a)} fields, need at least 5")
-    group = a[9] if len(a) > 9 and _is_int(a[9]) else None
-    extra_keys = a[8] if len(a) > 8 else _ABSENT
+    n = len(a)
+    if n < 5:
+        raise _fail(f"BlockStored array of {n} fields, need at least 5")
+    if n == 7:  # vLLM 0.11's shape, spelt out: this runs for every stored event
+        return stored_event(a[1], a[2], a[3], a[4], a[5], a[6], None, _ABSENT, None, None)
+    group = a[9] if n > 9 and _is_int(a[9]) else None
+    extra_keys = a[8] if n > 8 else _ABSENT
     return stored_event(
         a[1], a[2], a[3], a[4], _at(a, 5), _at(a, 6), _at(a, 7), extra_keys, group, _at(a, 10)
     )
@@ -328,8 +350,21 @@ def count_skipped(table: Counter[str], tag: str, n: int = 1) -> None:
 # work run at each): a 4 MiB batch can hold a million tiny events, ~3 s of decoding in one piece.
 DECODE_STEP_EVENTS = 512
 DECODE_STEP_BYTES = 64 << 10
-# msgpack's array headers: fixarray, array 16, array 32.
+# Fields a batch may carry past ``[ts, events, rank]`` (keys past those three, in a map-encoded
+# one): vLLM sends 2 or 3 and a later release may add a few, but each is skipped by a Python call
+# of its own, so 4 million one-byte ones held the event loop for 0.9 s.
+MAX_BATCH_EXTRA_FIELDS = 8
+# Arrays and maps (lists and dicts, decoded) a batch may hold: one per _BYTES_PER_CONTAINER bytes
+# of it, and _CONTAINERS_MIN whatever its size. An empty one is one byte on the wire but ~70 as a
+# Python object: a 4 MiB batch of them took 250 MiB to decode, only to be skipped. vLLM's are far
+# sparser: an event is one or two (its hashes, tokens and extra keys), tens of bytes each; a block's
+# extra keys (a LoRA name, a salt) come with the block's hash and token ids, 12 bytes at least.
+_BYTES_PER_CONTAINER = 6
+_CONTAINERS_MIN = 64
+# msgpack's array headers (fixarray, array 16, array 32) and map headers (fixmap, map 16, map 32).
 _ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_MAP_HEADS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+_BATCH_KEYS = frozenset({"ts", "events", "data_parallel_rank"})
 
 
 def decode_batch(
@@ -353,47 +388,89 @@ def decode_batch_steps(
     payload: bytes | bytearray | memoryview, *, skipped: Counter[str] | None = None
 ) -> Generator[None, None, tuple[float, list[KVEvent], int | None]]:
     """``decode_batch`` with a pause (a ``yield``) every ``DECODE_STEP_EVENTS`` events or
-    ``DECODE_STEP_BYTES`` bytes; its result is the generator's return value. The usual
-    ``[ts, events, rank]`` array is read an event at a time, so neither unpacking nor checking
-    a big batch is one piece; it is still all or nothing (an error after any number of pauses
-    means no events)."""
+    ``DECODE_STEP_BYTES`` bytes; its result is the generator's return value. The batch, the usual
+    ``[ts, events, rank]`` array or a struct encoded as a map, is read an event at a time, so
+    neither unpacking nor checking a big batch is one piece; it is still all or nothing (an error
+    after any number of pauses means no events)."""
     data = bytes(payload)
-    if not data or data[0] not in _ARRAY_HEADS:  # a map-encoded batch struct, or no batch
-        ts, events, rank = _batch_fields(_unpack_all(data))
-        out, _ = yield from _decode_events(events, skipped, None)
-        return ts, out, rank
-    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data))
-    u.feed(data)
-    n = _stream(u.read_array_header)
-    if n < 2:
-        raise _fail("not a [ts, events, rank] batch: list")
-    ts = _stream(u.unpack)
-    _check_ts(ts)
-    if u.tell() >= len(data) or data[u.tell()] not in _ARRAY_HEADS:
-        raise _fail(f"events: expected a list, got {type(_stream(u.unpack)).__name__}")
-    count = _stream(u.read_array_header)
-    out, _ = yield from _decode_events((_stream(u.unpack) for _ in range(count)), skipped, u)
-    rank = _stream(u.unpack) if n > 2 else None
-    for _ in range(n - 3):
-        _stream(u.skip)
+    u = _unpacker(data)
+    head = data[0] if data else None
+    if head in _ARRAY_HEADS:  # inline, not a helper: the usual case, and many batches are small
+        n = _stream(u.read_array_header)
+        if n < 2:
+            raise _fail("not a [ts, events, rank] batch: list")
+        if n > 3 + MAX_BATCH_EXTRA_FIELDS:
+            raise _fail(f"a batch of {n} fields, over {3 + MAX_BATCH_EXTRA_FIELDS}")
+        ts = _stream(u.unpack)
+        _check_ts(ts)
+        out = yield from _decode_events(u, data, skipped)
+        rank = _stream(u.unpack) if n > 2 else None
+        for _ in range(n - 3):
+            _stream(u.skip)
+    elif head in _MAP_HEADS:
+        ts, out, rank = yield from _map_batch(u, data, skipped)
+    else:
+        raise _fail(f"not a [ts, events, rank] batch: {type(_stream(u.unpack)).__name__}")
     if u.tell() != len(data):
         raise _fail("not msgpack: extra data after the batch")
+    _check_ts(ts)
     _check_rank(rank)
     return float(ts), out, rank
+
+
+def _unpacker(data: bytes) -> msgpack.Unpacker:
+    """An unpacker fed ``data`` that refuses more containers than a batch of its size can hold."""
+    left = len(data) // _BYTES_PER_CONTAINER + _CONTAINERS_MIN
+
+    def count(obj: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _fail(f"over {len(data) // _BYTES_PER_CONTAINER + _CONTAINERS_MIN} arrays/maps")
+        return obj
+
+    u = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        max_buffer_size=max(len(data), 1),
+        list_hook=count,
+        object_hook=count,
+    )
+    u.feed(data)
+    return u
+
+
+def _map_batch(
+    u: msgpack.Unpacker, data: bytes, skipped: Counter[str] | None
+) -> Generator[None, None, tuple[Any, list[KVEvent], Any]]:
+    """A server that encodes the batch struct as a map: its three fields in any order, other
+    keys skipped, the events read one at a time as in the array layout."""
+    n = _stream(u.read_map_header)
+    if n > len(_BATCH_KEYS) + MAX_BATCH_EXTRA_FIELDS:
+        raise _fail(f"a batch of {n} fields, over {len(_BATCH_KEYS) + MAX_BATCH_EXTRA_FIELDS}")
+    got: dict[str, Any] = {}
+    for _ in range(n):
+        key = _stream(u.unpack)
+        if not (isinstance(key, str) and key in _BATCH_KEYS):
+            _stream(u.skip)
+        elif key in got:
+            raise _fail(f"{key} given twice")
+        elif key == "events":
+            got[key] = yield from _decode_events(u, data, skipped)
+        else:
+            got[key] = _stream(u.unpack)
+    if "events" not in got:
+        raise _fail("events: expected a list, got NoneType")
+    return got.get("ts"), got["events"], got.get("data_parallel_rank")
 
 
 def _stream(read: Callable[[], Any]) -> Any:
     try:
         return read()
+    except KVEventDecodeError:
+        raise
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise _fail(f"not msgpack: {e!r}") from e
-
-
-def _unpack_all(data: bytes) -> Any:
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise _fail(f"not msgpack: {e}") from e
 
 
 def _check_ts(ts: object) -> None:
@@ -406,37 +483,29 @@ def _check_rank(rank: object) -> None:
         raise _fail(f"data_parallel_rank: expected an int, got {type(rank).__name__}")
 
 
-def _batch_fields(raw: object) -> tuple[float, list[Any], int | None]:
-    if isinstance(raw, dict):  # a server that encodes the batch struct as a map
-        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    elif isinstance(raw, list) and len(raw) >= 2:
-        ts, events, rank = raw[0], raw[1], _at(raw, 2)
-    else:
-        raise _fail(f"not a [ts, events, rank] batch: {type(raw).__name__}")
-    _check_ts(ts)
-    if not isinstance(events, list):
-        raise _fail(f"events: expected a list, got {type(events).__name__}")
-    _check_rank(rank)
-    return float(ts), events, rank
-
-
 def _decode_events(
-    events: Iterable[Any], skipped: Counter[str] | None, u: msgpack.Unpacker | None
-) -> Generator[None, None, tuple[list[KVEvent], None]]:
-    """The known events of ``events``, pausing every DECODE_STEP_EVENTS events or (reading from
-    ``u``) DECODE_STEP_BYTES bytes. Unknown types are counted into ``skipped`` only once the
-    whole batch decoded, so a batch that fails counts nothing."""
+    u: msgpack.Unpacker, data: bytes, skipped: Counter[str] | None
+) -> Generator[None, None, list[KVEvent]]:
+    """The known events of the array next in ``u`` (reading ``data``), pausing every
+    DECODE_STEP_EVENTS events or DECODE_STEP_BYTES bytes. Unknown types are counted into
+    ``skipped`` only once the whole batch decoded, so a batch that fails counts nothing."""
+    if u.tell() >= len(data) or data[u.tell()] not in _ARRAY_HEADS:
+        raise _fail(f"events: expected a list, got {type(_stream(u.unpack)).__name__}")
+    count = _stream(u.read_array_header)
     out: list[KVEvent] = []
     unknown: Counter[str] = Counter()
-    pause_at = DECODE_STEP_BYTES
-    for i, ev in enumerate(events):
-        if i and not i % DECODE_STEP_EVENTS:
+    unpack, tell = u.unpack, u.tell
+    pause_at = tell() + DECODE_STEP_BYTES
+    for i in range(count):
+        if (i and not i % DECODE_STEP_EVENTS) or tell() >= pause_at:
             yield
-            if u is not None:
-                pause_at = u.tell() + DECODE_STEP_BYTES
-        elif u is not None and u.tell() >= pause_at:
-            yield
-            pause_at = u.tell() + DECODE_STEP_BYTES
+            pause_at = tell() + DECODE_STEP_BYTES
+        try:  # _stream, inline: this runs for every event
+            ev = unpack()
+        except KVEventDecodeError:
+            raise
+        except Exception as e:
+            raise _fail(f"not msgpack: {e!r}") from e
         if isinstance(ev, dict):
             tag, table = ev.get("type"), _FROM_MAP
         elif isinstance(ev, list) and ev:
@@ -457,7 +526,7 @@ def _decode_events(
     if skipped is not None:
         for tag, n in unknown.items():
             count_skipped(skipped, tag, n)
-    return out, None
+    return out
 
 
 # --------------------------------------------------------------------------- encoding
