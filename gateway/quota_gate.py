@@ -8,9 +8,14 @@ settled against the store that admitted it, so a mode switch mid-request loses n
 A settlement that cannot reach the store is kept and replayed once the store answers again
 (settlement is idempotent per request id, so a settle whose reply was lost is not charged twice).
 Without the replay a Redis blip would leave every request that finished during it charged its
-whole reservation and holding its concurrency lease until `lease_ttl_s` (15 minutes): a tenant at
-its `max_concurrent` would be locked out long after Redis came back. The backlog is bounded
-(`max_deferred_settlements`); past it the oldest fall back to lease expiry, counted.
+whole reservation and holding its concurrency lease until it expired: a tenant at its
+`max_concurrent` would be locked out for up to `lease_ttl_s` (a minute by default) after Redis
+came back. The backlog is bounded (`max_deferred_settlements`); past it the oldest fall back to
+lease expiry, counted.
+
+Leases are renewed by the store while their request runs (gateway.quota_redis); a ticket that is
+done stops its renewal at once (`forget`), whether or not its settlement reached the store, so a
+deferred or dropped settlement costs its tenant the slot for at most one lease TTL.
 
 Only an outage (`QuotaStoreUnavailable`) keeps an entry waiting and counts against the breaker.
 Any other store error is the store answering that this entry cannot be applied (another app wrote
@@ -212,6 +217,7 @@ class QuotaGate:
         run it). Replayed like any deferred release; on a store that never admitted the id it
         finds no reservation and changes nothing, so it is safe to send when in doubt."""
         orphan = Ticket(tenant, request_id, model, tokens, self.shared, None)
+        _forget(orphan)  # held only if the reply came back; in doubt, renew nothing
         self._defer(_Deferred(orphan, None, True), None)
 
     # -- settlement ------------------------------------------------------------------------------
@@ -220,6 +226,7 @@ class QuotaGate:
         if t.done:
             return
         t.done = True
+        _forget(t)
         m = self.metrics
         if t.store is not None:
             m.child(m.tenant_in_flight, t.tenant.name).dec()
@@ -235,6 +242,7 @@ class QuotaGate:
         if t.done:
             return
         t.done = True
+        _forget(t)
         m = self.metrics
         m.child(m.tenant_tokens, t.tenant.name, "refunded").inc(t.reserved)
         if t.store is None:
@@ -385,6 +393,13 @@ class QuotaGate:
         del mine[rid]
         if not mine:
             del self._deferred_by[d.ticket.tenant.name]
+
+
+def _forget(t: Ticket) -> None:
+    """Stop renewing the lease of a request that is over (stores without renewal: no-op)."""
+    forget = getattr(t.store, "forget", None)
+    if forget is not None:
+        forget(t.tenant.name, t.request_id)
 
 
 def _settlement(t: Ticket) -> str:

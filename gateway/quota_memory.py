@@ -4,6 +4,11 @@ Same semantics as the Redis backend (same GCRA functions, same keys, same TTL ru
 test suite covers both. Each operation runs to completion without awaiting, which makes it atomic
 among coroutines on one event loop; a lock makes it safe from threads too (a bench driver, a sync
 admin call). The clock is injectable so tests can check exact retry-after values.
+
+Leases follow the Redis backend's rule (pruned after `lease_ttl_s` without a renewal), and every
+lease here belongs to this process, alive until its request settles (a crash takes the store with
+it): so all of them are renewed, lazily, by the first operation at least `lease_renew_s` after
+the last renewal. A request that runs longer than the TTL keeps counting toward `max_concurrent`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from gateway.quota import (
+    LEASE_RENEW_S,
     MEMORY_SETTLED_TTL_S,
     RECORD_GRACE_S,
     Admission,
@@ -50,7 +56,8 @@ class _Record:
 @dataclass(slots=True)
 class _Leases:
     ttl_us: float
-    members: dict[str, float] = field(default_factory=dict)
+    tenant: str
+    members: dict[str, float] = field(default_factory=dict)  # request id -> last renewal
 
     def prune(self, now_us: float) -> None:
         cutoff = now_us - self.ttl_us
@@ -64,9 +71,19 @@ class MemoryQuotaStore:
 
     backend = "memory"
 
-    def __init__(self, *, prefix: str = "kvgate:", clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        prefix: str = "kvgate:",
+        clock: Callable[[], float] = time.time,
+        lease_renew_s: float = LEASE_RENEW_S,
+    ) -> None:
+        if not lease_renew_s > 0:
+            raise ValueError(f"lease_renew_s must be > 0, got {lease_renew_s}")
         self.keys = QuotaKeys(prefix)
         self._clock = clock
+        self._renew_us = lease_renew_s * 1e6
+        self._renewed_us = -math.inf
         self._lock = threading.Lock()
         # key -> (t0_us, backlog in units, rate): see gateway.quota for why not a plain TAT.
         self._tats: dict[str, tuple[float, float, int]] = {}
@@ -106,7 +123,22 @@ class MemoryQuotaStore:
             return None
         return rec
 
+    def _renew(self, now_us: float) -> None:
+        """Renew every lease (and its open record) once `lease_renew_s` has passed since the
+        last renewal: each is a live request of this process until it is settled."""
+        if now_us - self._renewed_us < self._renew_us:
+            return
+        self._renewed_us = now_us
+        for leases in self._leases.values():
+            grace = leases.ttl_us + RECORD_GRACE_S * 1e6
+            for rid in leases.members:
+                leases.members[rid] = now_us
+                rec = self._records.get(self.keys.reservation(leases.tenant, rid))
+                if rec is not None and rec.state == "open":
+                    rec.expires_us = max(rec.expires_us, now_us + grace)
+
     def _tick(self, now_us: float) -> None:
+        self._renew(now_us)
         self._ops += 1
         if self._ops % _SWEEP_EVERY:
             return
@@ -141,7 +173,7 @@ class MemoryQuotaStore:
         lkey = self.keys.leases(res.tenant)
         leases = self._leases.get(lkey)
         if leases is None:
-            leases = self._leases[lkey] = _Leases(lim.lease_ttl_s * 1e6)
+            leases = self._leases[lkey] = _Leases(lim.lease_ttl_s * 1e6, res.tenant)
         leases.ttl_us = lim.lease_ttl_s * 1e6
         leases.prune(now)
         rec = self._record(rkey, now)
@@ -233,6 +265,7 @@ class MemoryQuotaStore:
     async def usage(self, tenant: str, limits: TenantLimits | None = None) -> dict[str, Any]:
         with self._lock:
             now = self._now_us()
+            self._renew(now)
             leases = self._leases.get(self.keys.leases(tenant))
             if leases is not None and limits is not None:
                 leases.ttl_us = limits.lease_ttl_s * 1e6

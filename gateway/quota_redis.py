@@ -15,6 +15,13 @@ READONLY after a failover, MASTERDOWN, CLUSTERDOWN, TRYAGAIN, OOM, BUSY) raise
 `QuotaStoreUnavailable` within `op_timeout_s`; the caller's circuit breaker decides what to do.
 Retrying a timed-out call once is safe because admit and settle are idempotent per request id.
 
+Concurrency leases are renewed by their owner: the store keeps the request ids whose admit made
+a lease in this process (`_held`, until `forget` or a settle/release) and a background task,
+started on the first such admit and cancelled by `close`, renews them every `lease_renew_s`
+(one `RENEW_LUA` call per tenant and 512 ids). A lease is pruned when it has gone `lease_ttl_s`
+without a renewal, so a crashed process's leases go within about a minute while a request that
+runs for hours keeps its own.
+
 Needs Redis >= 5 (scripts that call `TIME` and then write rely on effects replication, the
 default since 5). Every key of a call shares the tenant's hash tag, so the key layout is
 Cluster-safe; this module is tested against a standalone server only (`client=` takes any
@@ -24,8 +31,13 @@ redis.asyncio client).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
+import math
 import re
+import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -43,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.quota import (
+    LEASE_RENEW_S,
     RECORD_GRACE_S,
     SETTLED_TTL_S,
     Admission,
@@ -234,6 +247,36 @@ return out
 """
 )
 
+# Renews the leases one process holds for one tenant.
+# KEYS: leases, then the reservation record of each request.   ARGV: leases key TTL (ms), record
+# TTL (ms), then the request ids (in KEYS order).
+# A request whose record is still open is live (its settle has not run: settle and release close
+# the record and drop the lease in one script): its lease is scored now (re-added if it was pruned
+# meanwhile, after an outage or a stall longer than the TTL: the request still runs) and its record
+# kept for RECORD_GRACE_S more. Returns the 1-based positions of the ids with no open record
+# (settled, or lost with the server's data), which the caller stops renewing.
+RENEW_LUA = (
+    _PRELUDE
+    + """
+local now = fmt(now_us())
+local record_ttl = tonumber(ARGV[2])
+local gone = {}
+local live = 0
+for i = 2, #KEYS do
+  local rid = ARGV[i + 1]
+  if redis.call('HGET', KEYS[i], 'state') == 'open' then
+    redis.call('ZADD', KEYS[1], now, rid)
+    redis.call('PEXPIRE', KEYS[i], record_ttl)
+    live = live + 1
+  else
+    gone[#gone + 1] = i - 1
+  end
+end
+if live > 0 then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1])) end
+return table.concat(gone, ' ')
+"""
+)
+
 # Server replies that mean "not now" rather than "your script is wrong": a replica demoted by a
 # failover (READONLY), a failed RDB save (MISCONF, writes stop), too few replicas (NOREPLICAS).
 # The code stands first in the reply (Redis 7), or after "Error running script ...: -" (Redis
@@ -263,6 +306,16 @@ class _Script:
 _ADMIT = _Script("admit", ADMIT_LUA)
 _SETTLE = _Script("settle", SETTLE_LUA)
 _USAGE = _Script("usage", USAGE_LUA)
+_RENEW = _Script("renew", RENEW_LUA)
+
+log = logging.getLogger("kvgate.quota")
+
+# Request ids per renewal call: bounds one script's time on the server (3 commands per id).
+RENEW_CHUNK = 512
+# Renewal calls in flight at once: the request path shares the connection pool.
+RENEW_PARALLEL = 4
+# While renewals keep failing, one log line per this many seconds.
+RENEW_LOG_EVERY_S = 60.0
 
 
 _DUP: dict[int, Literal["open", "settled"] | None] = {0: None, 1: "open", 2: "settled"}
@@ -270,6 +323,23 @@ _DUP: dict[int, Literal["open", "settled"] | None] = {0: None, 1: "open", 2: "se
 
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _lease_key_ttl_ms(lease_ttl_s: float) -> int:
+    """The leases key's TTL: one lease TTL past its newest lease, plus a second (as in admit)."""
+    return math.ceil(lease_ttl_s * 1000) + 1000
+
+
+def _record_ttl_ms(lease_ttl_s: float) -> int:
+    return int((lease_ttl_s + RECORD_GRACE_S) * 1000)
+
+
+@dataclass(slots=True)
+class _Held:
+    """The leases this process holds for one tenant (ordered set of request ids)."""
+
+    lease_ttl_s: float
+    rids: dict[str, None] = field(default_factory=dict)
 
 
 class RedisQuotaStore:
@@ -291,10 +361,19 @@ class RedisQuotaStore:
         op_timeout_s: float = 0.5,
         max_connections: int = 64,
         client: Redis | None = None,
+        lease_renew_s: float = LEASE_RENEW_S,
     ) -> None:
+        if not lease_renew_s > 0:
+            raise ValueError(f"lease_renew_s must be > 0, got {lease_renew_s}")
         self.keys = QuotaKeys(prefix)
         self.url = url
         self.op_timeout_s = op_timeout_s
+        self.lease_renew_s = lease_renew_s
+        # tenant -> the leases this process holds there (admitted, not yet settled or forgotten).
+        self._held: dict[str, _Held] = {}
+        self._renewer: asyncio.Task[None] | None = None
+        self._renew_failing_since: float | None = None  # monotonic; None while renewals succeed
+        self._renew_logged_at = 0.0
         self.use_evalsha = True
         if client is None:
             pool = BlockingConnectionPool.from_url(
@@ -363,7 +442,7 @@ class RedisQuotaStore:
             res.request_id,
             -1 if lim.max_concurrent is None else lim.max_concurrent,
             int(lim.lease_ttl_s * 1e6),
-            int((lim.lease_ttl_s + RECORD_GRACE_S) * 1000),
+            _record_ttl_ms(lim.lease_ttl_s),
             res.tokens,
             res.model,
             " ".join(f"{s.rate} {s.capacity} {s.cost}" for s in specs),
@@ -387,11 +466,16 @@ class RedisQuotaStore:
         )
         if adm.allowed != bool(allowed):
             raise QuotaStoreError(f"admit script and builder disagree: {out!r}")
+        if adm.allowed:  # a new lease, or an open one whose first reply was lost: ours to renew
+            self._hold(res.tenant, res.request_id, lim.lease_ttl_s)
         return adm
 
     async def _finish(
         self, tenant: str, request_id: str, actual: int, limits: TenantLimits, refund: bool
     ) -> Settlement:
+        # The request is over whether or not this call reaches Redis: a settlement that has to
+        # wait for an outage to end must not keep its lease alive (it expires by age instead).
+        self.forget(tenant, request_id)
         specs = limit_specs(self.keys, tenant, None, limits, 0)
         keys = [
             self.keys.reservation(tenant, request_id),
@@ -440,5 +524,102 @@ class RedisQuotaStore:
         """A cheap round trip for the breaker's half-open probe."""
         await self._call("PING")
 
+    # -- lease renewal -----------------------------------------------------------------------
+
+    @property
+    def held_leases(self) -> int:
+        """Leases this process holds and renews (admitted, not yet settled or forgotten)."""
+        return sum(len(h.rids) for h in self._held.values())
+
+    def _hold(self, tenant: str, request_id: str, lease_ttl_s: float) -> None:
+        held = self._held.get(tenant)
+        if held is None:
+            held = self._held[tenant] = _Held(lease_ttl_s)
+        held.lease_ttl_s = lease_ttl_s  # the latest limits win (a reload may change them)
+        held.rids[request_id] = None
+        task = self._renewer
+        loop = asyncio.get_running_loop()
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._renewer = loop.create_task(self._renew_loop(), name="quota-lease-renewal")
+
+    def forget(self, tenant: str, request_id: str) -> None:
+        """Stop renewing a request's lease: it finished (its settlement may still be on its way,
+        deferred while the store is down; if it never arrives the lease expires by age)."""
+        held = self._held.get(tenant)
+        if held is None:
+            return
+        held.rids.pop(request_id, None)
+        if not held.rids:
+            del self._held[tenant]
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_renew_s)
+            try:
+                await self.renew_leases()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never out of the task: the next period tries again
+                self._renew_failed(e)
+            else:
+                if self._renew_failing_since is not None:
+                    down = time.monotonic() - self._renew_failing_since
+                    log.info("quota lease renewal works again (failing for %.0fs)", down)
+                    self._renew_failing_since = None
+
+    def _renew_failed(self, e: Exception) -> None:
+        now = time.monotonic()
+        if self._renew_failing_since is None:
+            self._renew_failing_since = now
+        elif now - self._renew_logged_at < RENEW_LOG_EVERY_S:
+            return
+        self._renew_logged_at = now
+        log.warning(
+            "quota lease renewal failed (%d leases held; retried every %gs, leases expire "
+            "after their TTL without it): %s",
+            self.held_leases,
+            self.lease_renew_s,
+            str(e),
+        )
+
+    async def renew_leases(self) -> None:
+        """One renewal pass over the leases this process holds, RENEW_PARALLEL calls at a time.
+
+        Stops at the first outage (`QuotaStoreUnavailable`, raised after the calls in flight
+        end): every other call would wait out its timeout too. Another store error (one tenant's
+        key clobbered: WRONGTYPE) skips that call and is raised once the pass is done.
+        """
+        jobs: list[tuple[str, float, list[str]]] = []
+        for tenant, held in self._held.items():
+            rids = list(held.rids)
+            for i in range(0, len(rids), RENEW_CHUNK):
+                jobs.append((tenant, held.lease_ttl_s, rids[i : i + RENEW_CHUNK]))
+        error: QuotaStoreError | None = None
+        for i in range(0, len(jobs), RENEW_PARALLEL):
+            batch = jobs[i : i + RENEW_PARALLEL]
+            got = await asyncio.gather(*(self._renew(*j) for j in batch), return_exceptions=True)
+            for r in got:
+                if isinstance(r, QuotaStoreUnavailable):
+                    raise r
+                if isinstance(r, BaseException):
+                    if not isinstance(r, QuotaStoreError):
+                        raise r
+                    error = r
+        if error is not None:
+            raise error
+
+    async def _renew(self, tenant: str, lease_ttl_s: float, rids: list[str]) -> None:
+        keys = [self.keys.leases(tenant), *(self.keys.reservation(tenant, r) for r in rids)]
+        args: list[Any] = [_lease_key_ttl_ms(lease_ttl_s), _record_ttl_ms(lease_ttl_s), *rids]
+        gone = _s(await self._run(_RENEW, keys, args)).split()
+        for i in gone:  # settled (another path got there first) or lost with Redis's data
+            self.forget(tenant, rids[int(i) - 1])
+
     async def close(self) -> None:
+        task, self._renewer = self._renewer, None
+        if task is not None and not task.done():
+            task.cancel()
+            if task.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.client.aclose()
