@@ -141,9 +141,7 @@ class Proxy:
                 if call.attempts > 1:
                     if self.closing is not None:  # between two attempts when the drain cut
                         raise self._shut_down(call, None)
-                    self.metrics.child(
-                        self.metrics.retries, last_error.code if last_error else "unknown"
-                    ).inc()
+                    self.metrics.child(self.metrics.retries, _retry_reason(last_error)).inc()
                 life.dispatched(policy, call, decision, worker)
                 handed_off = False
                 whole = 0  # the status of an answer being read whole: a failure is in its body
@@ -562,6 +560,29 @@ def _usage_of(body: bytes) -> Usage | None:
         except orjson.JSONDecodeError:
             continue  # that brace was inside a string or a nested object
     return None
+
+
+# What a retry is counted under (`kvgate_retries_total{reason}`): the gateway's own codes for the
+# failures it names, else the worker's status (`upstream_503`). The worker's own `code` is kept in
+# the client's error but never made a label: vLLM's is an int (read as None: reason="None"), and a
+# worker with a code per response made a new series with each (review: 10 series in 20 requests).
+_RETRY_REASONS = frozenset(
+    {
+        "upstream_connect_error",
+        "upstream_empty_stream",
+        "upstream_error",
+        "upstream_pool_full",
+        "upstream_redirect",
+        "upstream_response_too_large",
+        "upstream_timeout",
+    }
+)
+
+
+def _retry_reason(e: APIError | None) -> str:
+    if e is None:
+        return "unknown"
+    return e.code if e.code in _RETRY_REASONS else f"upstream_{e.status}"
 
 
 def _upstream_error(status: int, body: bytes) -> APIError:

@@ -302,9 +302,13 @@ class Registry:
         return w is not None and w.health is Health.UNHEALTHY and self.clock() < w.ejected_until
 
     def served_models(self) -> dict[str, dict[str, object]]:
-        """Model id -> card, over healthy workers (the first worker's card wins)."""
+        """Model id -> card, over healthy workers that take new requests (the first worker's
+        card wins): a model only a drained worker serves is refused 503, so `/v1/models` does
+        not list it (review: it did), as `/ready` does not count that worker."""
         out: dict[str, dict[str, object]] = {}
         for w in self.healthy():
+            if w.draining:
+                continue
             for mid, card in w.model_cards.items():
                 out.setdefault(mid, card)
         return out

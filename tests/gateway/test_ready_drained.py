@@ -50,6 +50,9 @@ async def test_ready_fails_when_every_worker_is_drained_and_a_405_lists_the_meth
             body = r.json()
             assert body["ready"] is False
             assert (body["healthy_workers"], body["draining_workers"]) == (0, 1)
+            # Its models go from /v1/models too: a request for them gets a 503 (review).
+            r = await c.get(g.url + "/v1/models")
+            assert r.status_code == 200 and r.json()["data"] == [], r.text
             r = await c.delete(g.url + "/admin/workers/w0/drain", headers=ADMIN)
             assert r.status_code == 200, r.text
             assert (await c.get(g.url + "/ready")).status_code == 200

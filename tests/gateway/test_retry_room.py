@@ -150,3 +150,33 @@ async def test_a_retry_waits_no_longer_than_the_client_allowed() -> None:
         r = poison.result()
         assert r.status_code == 503 and not held.done(), r.text
         assert g.gw.admission.queued() == 0
+
+
+async def test_retries_are_counted_by_the_workers_status_not_its_error_code() -> None:
+    # Review finding: vLLM's error `code` is an int, read as None: reason="None"; and a worker
+    # with a code per response made a new series with each.
+    n = 0
+
+    async def bad(request: Request) -> Response:
+        nonlocal n
+        n += 1
+        err = {"error": {"message": "busy", "type": "x", "code": f"overloaded-{n}"}}
+        return JSONResponse(err, status_code=503)
+
+    async def vllm_like(request: Request) -> Response:
+        err = {"error": {"message": "busy", "type": "ServiceUnavailableError", "code": 503}}
+        return JSONResponse(err, status_code=503)
+
+    async with (
+        serve_app(stub_app(bad), force_exit=True) as u1,
+        serve_app(stub_app(vllm_like), force_exit=True) as u2,
+    ):
+        s = settings_for([u1, u2], probes={"unhealthy_after": 1000, "breaker_window": 0})
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(2)
+            for _ in range(6):
+                r = await c.post(g.url + "/v1/chat/completions", json=BODY)
+                assert r.status_code == 503
+            m = await g.metrics()
+    reasons = {k for k, v in m.items() if k.startswith("kvgate_retries_total{") and v}
+    assert reasons == {'kvgate_retries_total{reason="upstream_503"}'}, reasons
