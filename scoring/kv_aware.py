@@ -164,6 +164,8 @@ class KVAware(_Learning):
             backlog = w.prefill_tokens
         weight = w.weight if w.weight > 0 else 1e-9
         wait = (backlog / o.prefill_tokens_per_s + run * o.decode_s_per_running) / weight
+        if wait > _MAX_WAIT_S:  # inf (a tiny weight): its queue term would be inf/inf = NaN
+            wait = _MAX_WAIT_S
         cap = w.num_blocks * w.block_size if w.num_blocks and w.block_size else 0
         kv = w.kv_usage + (w.sent_tokens_since_scrape / cap if cap else 0.0)
         qsat = q >= o.saturation_waiting
@@ -375,6 +377,10 @@ class KVAware(_Learning):
 
 # Memo entries (one per worker name) kept beyond 4x the candidates before the memo is cleared.
 _MEMO_SLACK = 1024
+# A worker's estimated wait, at most (a year): a larger one is no estimate, and an infinite one
+# (a weight of 1e-310, which the config accepts) made its queue term NaN, every comparison
+# false, and the decision an IndexError: a 500 for each request of its model.
+_MAX_WAIT_S = 3.15e7
 # A queue-saturated holder stays a candidate (the score then weighs its wait) while its queued
 # prefill is estimated under this many times the prefill its hit saves. Measured: 1 left a single
 # agent's session on the weka-agentic sample (compare's default, 962x) split over three workers

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from scoring.kv_aware import KVAware
@@ -97,18 +97,29 @@ class _Stateless:
         return None
 
 
+# Models a round-robin policy keeps a counter for (LoRA adapters are models).
+_MAX_MODELS = 4096
+
+
 class RoundRobin(_Stateless):
     """Even spread, blind to load and cache: the baseline every other policy is measured against."""
 
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        # One counter per model: with one for all, a client alternating two models sent each
+        # model's every request to the same worker (review).
+        self._counters: dict[str, Iterator[int]] = {}
 
     def choose(self, candidates: Sequence[WorkerView], request: RouteRequest) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
-        return Decision(candidates[next(self._counter) % len(candidates)], "round_robin")
+        counter = self._counters.get(request.model)
+        if counter is None:
+            if len(self._counters) >= _MAX_MODELS:  # names come from served models only
+                self._counters.clear()
+            counter = self._counters[request.model] = itertools.count()
+        return Decision(candidates[next(counter) % len(candidates)], "round_robin")
 
 
 def load_of(worker: WorkerView) -> float:

@@ -127,6 +127,9 @@ def _metric_name(line: str) -> str:
 # Bounds on the cache geometry a worker reports (labels: any text): past them it is unknown.
 # A 400-digit `num_gpu_blocks` overflowed the float of every load figure built on it: each
 # request for its model was a 500, and the autoscale series of every model were gone (review).
+# Requests a worker may report running or waiting: past it the figure is no count (a 1e306
+# made every load figure infinite, the scores NaN, and each request for its model a 500).
+_MAX_REQUESTS = 1 << 31
 _MAX_BLOCK_SIZE = 1 << 16
 _MAX_BLOCKS = 1 << 40
 
@@ -180,8 +183,8 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
         return next((sums[n] for n in names if n in sums), 0.0)
 
     return WorkerMetrics(
-        running=int(sums.get("vllm:num_requests_running", 0)),
-        waiting=int(sums.get("vllm:num_requests_waiting", 0)),
+        running=_requests(sums.get("vllm:num_requests_running", 0)),
+        waiting=_requests(sums.get("vllm:num_requests_waiting", 0)),
         # Data-parallel ranks each report their own fraction: the worker is as full as their mean.
         kv_usage=min(1.0, max(0.0, sum(kv) / len(kv))) if kv else 0.0,
         block_size=block_size,
@@ -191,3 +194,8 @@ def parse_vllm_metrics(text: str) -> WorkerMetrics:
         preemptions=sums.get("vllm:num_preemptions", 0.0),
         process_start=start,
     )
+
+
+def _requests(v: float) -> int:
+    """A request count as reported, within [0, _MAX_REQUESTS]."""
+    return int(min(max(v, 0.0), _MAX_REQUESTS))

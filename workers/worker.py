@@ -145,8 +145,12 @@ class Worker(DispatchLoad):
             self.remote_prefill_tokens,
             self.sent_tokens_since_scrape,
             self.in_flight_at_scrape,
-            id(self.metrics),
-            id(self.spec),
+            # The objects, not their id(): a scrape's metrics replaced and freed, a later one
+            # often took the same address, and a worker whose view went unread across two
+            # scrapes was routed on the old one (review: waiting 0 where it reported 40). The
+            # key holds them, so no address is reused while it does; equal ones are the same.
+            self.metrics,
+            self.spec,
         )
         if self._view is not None and self._view_key == key:
             return self._view
