@@ -11,6 +11,8 @@ Wiring (for gateway/app.py)
     * Register ``AutoscaleCollector(estimator, functools.partial(fleet_loads, registry,
       admission))`` on the metrics registry, ``estimator`` being the gateway's one
       ``DesiredWorkers``.
+    * ``estimator.note_unserved(model)`` where a request for a model the registry knows is refused
+      for want of a serving worker (gateway/desired_workers.py, "Wiring").
 """
 
 from __future__ import annotations
@@ -38,15 +40,32 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
 
     Models come from every worker (healthy or not, so a model whose workers are all down still
     reports N = 0 and asks for capacity) and from every admission pool. ``fleet`` counts the
-    workers that reported the model in any health state, draining ones left out (the operator is
+    workers that serve the model in any health state, draining ones left out (the operator is
     taking them away): before its first scale-in the desired count does not go below it, so a
-    gateway that restarts while one worker is down or still on its first probe does not ask the
-    autoscaler to remove one. A worker that has never answered has no models yet and is not
-    counted: it is known only once it answers, and then raises the count.
+    gateway that restarts while workers are down or still loading does not ask the autoscaler to
+    remove them; and with none of them healthy the model is down, not idle (no step in).
+
+    A worker that has not yet answered a probe with its models (still loading, down since the
+    gateway started, a new URL) lists none; it counts toward ``fleet`` of every model that all
+    the workers that have answered (draining ones aside) list, until it answers itself: in a
+    fleet of one model, that model (review: a gateway restarted while 2 of 3 workers were still
+    loading said desired = 1). In a fleet of several models, one it cannot be told apart from,
+    it counts for none. There is no grace period: a vLLM load can take many minutes, and the
+    floor it holds ends anyway at the model's first scale-in step, after a calm cooldown.
     """
     models: set[str] = set(admission.pools())
+    answered: list[frozenset[str]] = []
+    unprobed = 0
     for w in registry.workers.values():
         models.update(w.models)
+        if w.draining:
+            continue
+        if w.models:
+            answered.append(w.models)
+        else:
+            unprobed += 1
+    # Models every answering worker lists: where an unanswered one is assumed to serve too.
+    common = frozenset.intersection(*answered) if answered and unprobed else frozenset()
     out: dict[str, ModelLoad] = {}
     for model in models:
         workers = tuple(
@@ -59,6 +78,8 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
             for w in registry.candidates(model)
         )
         fleet = sum(1 for w in registry.workers.values() if model in w.models and not w.draining)
+        if model in common:
+            fleet += unprobed
         out[model] = ModelLoad(workers, sum(admission.depth_by_tier(model).values()), fleet)
     return out
 

@@ -39,8 +39,18 @@ from before a scale-out cannot justify a second one.
   ``max(ceil(N * max_scale_out_factor), N + 1)`` (at most doubling per evaluation by default;
   relative to the healthy ``N``, so repeated evaluations while new workers start do not
   compound) and at ``max_workers``. ``desired = max(desired, target)``: it never drops on the
-  way out. With ``N = 0`` and any demand (queued requests, tokens in flight, a breached ratio)
-  the target is ``max(1, min_workers)``.
+  way out. With ``N = 0`` and any demand (queued requests, tokens in flight, a breached ratio,
+  refused requests: below) the target is ``max(1, min_workers)``.
+* Refused requests are demand. With no worker serving a model the gateway answers 503 at once
+  and queues nothing, so neither the queue nor tokens in flight can show that clients want it
+  (review: with ``min_workers = 0`` a model scaled to zero never came back, 150 requests in 3 s
+  all refused and ``desired`` stayed 0). ``note_unserved`` records each such refusal; while
+  the last one is less than ``window_s`` (60 s, the p95 window) old, ``desired`` is at least
+  ``max(1, min_workers)`` and the model is not calm: the scale-in cooldown restarts at every
+  evaluation, and no step in is taken.
+* A fleet that is down is not idle: with ``N = 0`` while ``ModelLoad.fleet > 0`` (workers that
+  serve the model exist, none is healthy) no step in is taken and the cooldown restarts, with
+  or without traffic (review: 3 workers all down under steady refused traffic stepped 3 -> 1).
 * Scale in, slowly, only after every ratio has stayed below ``scale_in_below`` (0.5) with the
   admission queue empty for ``scale_in_cooldown_s`` (300 s): ``desired -= scale_in_step`` (1),
   and only when the load then left, ``r * N / (desired - step)``, stays below
@@ -69,6 +79,10 @@ Wiring (for gateway/app.py)
       when the dispatch raises (nothing was handed to the client). Ending twice is harmless.
     * ``observe_ttft(model, call.ttft)`` once the proxy returns a 200 (streams return at the
       first byte, so the sample is timely rather than at the end of a long stream).
+    * ``note_unserved(model)`` for each request refused 503 because no worker serves a model the
+      registry knows (``Registry.knows_model``): new requests and queued ones failed when the
+      last worker went (``_unserved`` sees both). Not for unknown models (a 404, or a 503 before
+      any worker answered): any name a client sends would make a model here.
     * Reload: ``configure(settings)``. Nothing here blocks or awaits.
 """
 
@@ -170,7 +184,8 @@ class ModelLoad:
     workers: tuple[WorkerLoad, ...] = ()  # healthy workers serving the model
     queued: int = 0  # the gateway's admission queue for the model
     # Workers known to serve the model in any health state (not draining): the fleet as deployed,
-    # which the desired count does not undercut before its first scale-in (module docstring).
+    # which the desired count does not undercut before its first scale-in, and which, with no
+    # healthy worker, makes the model "down, not idle" (no step in; module docstring).
     fleet: int = 0
 
 
@@ -226,6 +241,7 @@ class _ModelState:
     calm_since: float | None = None
     workers: int | None = None  # healthy workers at the last evaluation
     grew_at: float | None = None  # when that count last rose
+    unserved_at: float | None = None  # the last request refused for want of a serving worker
     scale_outs: int = 0
     scale_ins: int = 0
 
@@ -295,6 +311,15 @@ class DesiredWorkers:
         st.tokens += tokens
         return lease
 
+    def note_unserved(self, model: str, now: float | None = None) -> None:
+        """A request for ``model`` refused because no worker serves it now: demand that neither
+        the queue nor tokens in flight show (module docstring, "Refused requests are demand").
+        Only for a model some worker has listed; synchronous, nothing to end."""
+        st = self._state(model)
+        t = self.clock() if now is None else now
+        if st.unserved_at is None or t > st.unserved_at:
+            st.unserved_at = t
+
     def tokens_in_flight(self, model: str) -> int:
         st = self._models.get(model)
         return st.tokens if st is not None else 0
@@ -348,7 +373,10 @@ class DesiredWorkers:
             "queue": depth / (s.max_queue_per_worker * n) if n else (math.inf if depth else 0.0),
         }
         r = max(ratios.values())
-        demand = depth > 0 or st.tokens > 0 or r > 0
+        # Requests refused for want of a serving worker, recently: demand nothing else shows.
+        refused = st.unserved_at is not None and now - st.unserved_at < s.window_s
+        demand = depth > 0 or st.tokens > 0 or r > 0 or refused
+        least = max(1, s.min_workers)
         prev = st.desired
         if prev is None or st.settling:
             # Before the first scale-in: at least the fleet seen, so an evaluation that lands
@@ -356,15 +384,19 @@ class DesiredWorkers:
             seen = max(n, load.fleet, prev or 0)
             prev = min(max(seen, s.min_workers), s.max_workers)
         desired, decision = prev, "hold"
-        if r > 1.0 or (n == 0 and demand):
+        if r > 1.0 or (n == 0 and demand) or (refused and prev < least):
             st.calm_since = None
-            if n == 0:
-                target = max(1, s.min_workers)
+            if n == 0 or r <= 1.0:
+                target = least
             else:
                 cap = max(math.ceil(n * s.max_scale_out_factor - 1e-9), n + 1)
                 target = min(math.ceil(n * r - 1e-9), cap)
             if target > prev:
                 desired, decision = target, "scale_out"
+        elif refused or (n == 0 and load.fleet > 0):
+            # Not calm: requests are being refused, or the model's workers are all down (down,
+            # not idle: nothing says the load is gone). Hold, and the cooldown starts over.
+            st.calm_since = None
         elif r < s.scale_in_below and load.queued == 0:
             decision = "cooldown"
             if st.calm_since is None:

@@ -99,7 +99,8 @@ def test_fleet_loads_counts_known_workers_in_any_health_but_not_draining() -> No
     reg.workers["c"].health = Health.HALF_OPEN
     reg.workers["c"].in_flight = 1  # its trial is out: no candidate now, still in the fleet
     reg.drain("d")
-    # "e" never answered: its models are unknown, so it counts for no model.
+    # "e" never answered: it counts for M, the one model every answering worker lists (it may
+    # be loading: a gateway restarted then must not ask to remove it).
 
     class Admission:
         def pools(self) -> list[str]:
@@ -110,8 +111,8 @@ def test_fleet_loads_counts_known_workers_in_any_health_but_not_draining() -> No
 
     snapshot = fleet_loads(reg, Admission())  # type: ignore[arg-type]
     assert len(snapshot[M].workers) == 1  # N: only "a" may take a request now
-    assert snapshot[M].fleet == 3  # a, b, c
-    assert DesiredWorkers().evaluate(snapshot, 0.0)[0].desired_workers == 3
+    assert snapshot[M].fleet == 4  # a, b, c, and e
+    assert DesiredWorkers().evaluate(snapshot, 0.0)[0].desired_workers == 4
 
 
 def start_sim_on(port: int) -> subprocess.Popen[bytes]:
