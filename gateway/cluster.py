@@ -228,12 +228,17 @@ def _seq(raw: Any) -> int | None:
 class _Outgoing:
     """A batch of this replica's packed dispatches waiting for Redis to confirm it. Its ``seq``
     never changes once it has been sent (Redis may have stored a send that timed out), so
-    readers can tell a re-send from a new batch; rows are only added before its first send."""
+    readers can tell a re-send from a new batch; rows are only added before its first send.
+    ``key``: the routing options its rows' chains were hashed under (``RoutingState.key`` when
+    they left the journal), what it is framed with: a reload that changes the key meanwhile
+    must not pass them off as hashed under the new one (peers would record meaningless chains).
+    A batch never mixes keys."""
 
-    __slots__ = ("rows", "sent", "seq", "size")
+    __slots__ = ("key", "rows", "sent", "seq", "size")
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, key: tuple[int, ...]) -> None:
         self.seq = seq
+        self.key = key
         self.rows: list[bytes] = []
         self.size = 0
         self.sent = False
@@ -542,6 +547,9 @@ class ClusterSync:
         journal = state.journal
         if journal is None or not journal:
             return
+        # The key the notes were made under: `RoutingState.configure` empties the journal when
+        # it changes, and nothing can between these two lines.
+        key = state.key
         entries = journal.take(len(journal))
         budget = self.backlog_max * LEARNED_BACKLOG_BYTES_PER_ENTRY
         rows: list[bytes] = []
@@ -559,11 +567,11 @@ class ClusterSync:
         self.learned_dropped += len(entries) - len(rows)
         del entries
         out = self._outbox
-        tail = out[-1] if out and not out[-1].sent else None
+        tail = out[-1] if out and not out[-1].sent and out[-1].key == key else None
         for row in reversed(rows):
             if tail is None or (tail.rows and tail.size + len(row) > LEARNED_BATCH_BYTES):
                 self._batch_seq += 1
-                tail = _Outgoing(self._batch_seq)
+                tail = _Outgoing(self._batch_seq, key)
                 out.append(tail)
             tail.rows.append(row)
             tail.size += len(row)
@@ -592,7 +600,8 @@ class ClusterSync:
         self, state: RoutingState, batches: list[_Outgoing], read: bool
     ) -> bool:
         sent = self.clock()  # the policies' clock: entries' `at` are on it
-        frames = [frame_batch(state.key, b.rows, sent) for b in batches]  # before the timeout
+        # Each batch under its own rows' key (`_Outgoing.key`), not the state's now.
+        frames = [frame_batch(b.key, b.rows, sent) for b in batches]  # before the timeout
         count = self._read_count
         for b in batches:
             b.sent = True

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from scoring.state import RoutingState
 
-__all__ = ["Journal", "Learned", "apply_learned"]
+__all__ = ["MAX_NOTE_AGE_S", "Journal", "Learned", "apply_learned"]
+
+# A note's dispatch (``at``) and its batch's publish are on one clock, at most this far apart (a
+# note waits in the outbox for as long as Redis is away, which a day covers): the transport
+# (`workers.learned_share.decode_batch`) refuses a row further apart, and a `RoutingState` forgets
+# a worker's ``forgot_at`` this much after it (no note that old is replayed any more).
+MAX_NOTE_AGE_S = 86_400.0
 
 
 class Learned(NamedTuple):
@@ -79,6 +85,14 @@ class Journal:
                 del q[i]
                 return True
         return False
+
+    def clear(self) -> int:
+        """Drop every note not shipped yet, counted in ``dropped`` (their chains were hashed
+        under routing options replaced since: `RoutingState.configure`); returns how many."""
+        n = len(self._q)
+        self._q.clear()
+        self.dropped += n
+        return n
 
     def take(self, limit: int) -> list[Learned]:
         """Up to ``limit`` oldest entries, removed from the journal."""
@@ -139,17 +153,19 @@ def apply_learned(
     index = state.index
     sessions = state.sessions
     precise = state.precise if with_chains and not own else None
+    # Looked up per note, not merged into one copy a call: forgot_at holds every worker
+    # forgotten within MAX_NOTE_AGE_S, and the cluster replays a few notes a call.
     forgot = state.forgot_at
-    floor = dict(forgot) if forgot else {}
-    if not_before:
-        for w, t in not_before.items():
-            if t > floor.get(w, float("-inf")):
-                floor[w] = t
+    floor = not_before or None
     n = 0
     for e in entries:
         if e.worker not in known:
             continue
-        if floor:
+        if forgot:
+            f = forgot.get(e.worker)
+            if f is not None and e.at < f:
+                continue
+        if floor is not None:
             f = floor.get(e.worker)
             if f is not None and e.at < f:
                 continue

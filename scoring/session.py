@@ -22,6 +22,8 @@ __all__ = ["SessionTable"]
 # Worker removals remembered for `SessionTable.undo` (far more than can happen between a
 # dispatch and its refusal).
 _REMOVALS_KEPT = 256
+# `SessionTable._noted` is compacted at twice its size after the last compaction, at least this.
+_NOTED_MIN = 1024
 
 
 class SessionTable:
@@ -44,6 +46,9 @@ class SessionTable:
         self._committed: dict[str, int] = {}
         self._active: dict[str, tuple[str, float, int]] = {}
         self._noted: deque[tuple[float, str]] = deque()
+        # `_noted` is compacted (`_compact`) when it grows past this: its entries are dropped
+        # lazily, so a session re-put, undone or evicted for ``max_size`` leaves one behind.
+        self._noted_cap = _NOTED_MIN
         # Workers removed so far (their count is a mark `before` takes), for `undo` not to pin a
         # session back to one gone since; bounded, the oldest forgotten.
         self._removed: deque[str] = deque(maxlen=_REMOVALS_KEPT)
@@ -86,7 +91,14 @@ class SessionTable:
         self._commit(session_id, worker, now, prompt_tokens)
         while table:
             sid, (_w, seen, _t, _l) = next(iter(table.items()))
-            if now - seen > self.ttl_s or len(table) > self.max_size:
+            if len(table) > self.max_size:
+                # Evicted for room: its commitment goes with it, or the commitment maps would
+                # hold every session routed within active_s, whatever max_size says.
+                del table[sid]
+                e = self._active.pop(sid, None)
+                if e is not None:
+                    self._uncommit(e[0], e[2])
+            elif now - seen > self.ttl_s:
                 del table[sid]
             else:
                 break
@@ -116,9 +128,11 @@ class SessionTable:
             del self._active[session_id]
             self._uncommit(old[0], old[2])
             if active is not None and active[1] >= now - self.active_s and active[0] not in gone:
-                # Its note is still queued (it is younger than active_s): it expires as before.
+                # Younger than active_s: it expires as before, by its queued note (noted again:
+                # a compaction since the put dropped the first, which no longer matched).
                 self._active[session_id] = active
                 self._add_commit(active[0], active[2])
+                self._noted.append((active[1], session_id))
 
     def _gone_since(self, mark: int) -> set[str]:
         n = self._removals - mark
@@ -205,8 +219,27 @@ class SessionTable:
             self._uncommit(old[0], old[2])
         self._active[session_id] = (worker, now, tokens)
         self._add_commit(worker, tokens)
-        self._noted.append((now, session_id))
+        noted = self._noted
+        noted.append((now, session_id))
         self._expire(now)
+        if len(noted) > self._noted_cap:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the notes that expire nothing any more (their session re-put since, undone,
+        evicted or removed), keeping the rest in order: ``_noted`` then holds at most one note
+        per active session, so it is bounded like ``_active``. Amortized O(1) a note: the next
+        compaction waits for the queue to double."""
+        active = self._active
+        kept: deque[tuple[float, str]] = deque()
+        seen: set[str] = set()
+        for at, sid in self._noted:
+            e = active.get(sid)
+            if e is not None and e[1] == at and sid not in seen:
+                seen.add(sid)
+                kept.append((at, sid))
+        self._noted = kept
+        self._noted_cap = max(_NOTED_MIN, 2 * len(kept))
 
     def _expire(self, now: float) -> None:
         noted, active = self._noted, self._active

@@ -16,12 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 from scoring.index import PrefixIndex
-from scoring.learned import Journal, Learned
+from scoring.learned import MAX_NOTE_AGE_S, Journal, Learned
 from scoring.precise import PreciseIndex
 from scoring.session import SessionTable
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 
 __all__ = ["RoutingState"]
+
+# `RoutingState.forgot_at` is pruned at twice its size after the last pruning, at least this.
+_FORGOT_MIN = 1024
 
 
 class RoutingState:
@@ -44,8 +47,11 @@ class RoutingState:
         self.journal: Journal | None = None
         # Worker -> when routing last forgot it (left, or restarted: its cache is gone), on the
         # policies' clock: a peer's note from before then (an outage backlog published late)
-        # is about what was forgotten, and `apply_learned` skips it.
+        # is about what was forgotten, and `apply_learned` skips it. Entries older than
+        # MAX_NOTE_AGE_S go (`_prune_forgot`): no note that old is replayed, and a fleet of
+        # autoscaled pods must not keep every name it ever removed.
         self.forgot_at: dict[str, float] = {}
+        self._forgot_cap = _FORGOT_MIN
         self.clock = clock
         self._key = o.key_fields()
         self._text_block_tokens = o.text_block_tokens
@@ -57,11 +63,16 @@ class RoutingState:
         return self._key
 
     def configure(self, o: RoutingOptions) -> None:
-        """Adopt new options; chains hashed under other block sizes mean nothing now, so forget."""
+        """Adopt new options; chains hashed under other block sizes mean nothing now, so forget:
+        the index, and the journal's notes not shipped yet (`gateway.cluster` frames a batch
+        with the key current when it takes them, so they would reach the peers as hashed under
+        the new one); counted in ``Journal.dropped``."""
         if o.key_fields() != self._key:
             self.index = PrefixIndex(o.default_capacity_blocks, o.max_capacity_blocks)
             self._reported.clear()
             self._key = o.key_fields()
+            if self.journal is not None:
+                self.journal.clear()
         else:
             self.index.set_limits(o.default_capacity_blocks, o.max_capacity_blocks)
             if o.text_block_tokens != self._text_block_tokens:
@@ -108,13 +119,23 @@ class RoutingState:
         of ``now`` (default: this state's clock): peers' notes from before then are skipped
         when they arrive later (`apply_learned`), or they would teach it all back."""
         t = self.clock() if now is None else now
-        if t > self.forgot_at.get(name, float("-inf")):
-            self.forgot_at[name] = t
+        forgot = self.forgot_at
+        if t > forgot.get(name, float("-inf")):
+            forgot[name] = t
+            if len(forgot) > self._forgot_cap:
+                self._prune_forgot(t)
         self.index.remove_worker(name)
         if self.precise is not None:
             self.precise.remove_worker(name)
         self.sessions.remove_worker(name)
         self._reported.pop(name, None)
+
+    def _prune_forgot(self, now: float) -> None:
+        """Drop the ``forgot_at`` entries older than MAX_NOTE_AGE_S. Amortized O(1) a removal:
+        the next pass waits for the map to double."""
+        horizon = now - MAX_NOTE_AGE_S
+        self.forgot_at = kept = {w: t for w, t in self.forgot_at.items() if t >= horizon}
+        self._forgot_cap = max(_FORGOT_MIN, 2 * len(kept))
 
     def forget_learned(self, name: str) -> None:
         """Forget what dispatches taught of ``name`` (prefix index entries, session pins), not

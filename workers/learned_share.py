@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import msgpack
 
-from scoring.learned import Learned
+from scoring.learned import MAX_NOTE_AGE_S, Learned
 
 __all__ = [
     "decode_batch",
@@ -45,10 +45,6 @@ __all__ = [
 
 _VERSION = 2
 _SWAP = sys.byteorder != "little"
-# A note's dispatch (``at``) and its batch's publish (``t``) are on one clock, ``at`` first; a
-# note waits in the outbox for as long as Redis is away, which a day covers. Further apart, in
-# either direction, the row was not written by this code.
-MAX_NOTE_AGE_S = 86_400.0
 # A prompt's tokens, at most: a session's note adds them to its worker's commitment
 # (`SessionTable.committed`), and one peer's 2**62 would weigh that worker down fleet-wide.
 MAX_PROMPT_TOKENS = 1 << 32
