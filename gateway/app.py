@@ -74,7 +74,7 @@ from gateway.tenancy import (
 )
 from gateway.upstream import UpstreamClient, make_upstream
 from gateway.usage import JsonlSink, NullSink, RedisStreamSink, UsageSink
-from gateway.validate import CHAT, parse_request, read_body, request_headers
+from gateway.validate import CHAT, ParsedRequest, parse_request, read_body, request_headers
 from scoring.policy import Policy, make_policy
 from scoring.state import RoutingState
 from scoring.views import RoutingOptions
@@ -110,6 +110,14 @@ def _base_model(w: Worker) -> str | None:
     """The model a worker's unsalted, non-LoRA KV blocks belong to (LoRA cards have a parent)."""
     base = sorted(m for m, card in w.model_cards.items() if not card.get("parent"))
     return base[0] if base else (min(w.models) if w.models else None)
+
+
+def _tenant_names(tenants: Tenants) -> set[str]:
+    """The tenant names requests of a config can be counted under (series' `tenant` label)."""
+    names = set(tenants.by_name)
+    if tenants.anonymous is not None:
+        names.add(tenants.anonymous.name)
+    return names
 
 
 class Gateway:
@@ -427,7 +435,11 @@ class Gateway:
             p_.stale_after_s, p_.stale_after_dispatches = k.stale_after_s, k.stale_after_dispatches
         if keyers is not None:
             self.token_keyers = keyers
+        was = _tenant_names(self.tenants)
         self.tenants = Tenants(new)
+        now = _tenant_names(self.tenants)
+        self.metrics.keep_tenants(now)  # back in the config before their series went: kept
+        self.metrics.forget_tenants(was - now)  # per-tenant series of tenants no longer there
         self.life.log_requests = new.logging.requests
         self.slots.configure(new.admission, self.routing_options, self.tenants.top_priority)
         if new.admission != old.admission:
@@ -520,15 +532,22 @@ class Gateway:
         self.policy.on_worker_removed(name)
 
     def _forget_models(self) -> None:
-        """Admission pools and series of models no worker in the fleet lists any more."""
+        """Admission pools and series of models no worker in the fleet lists any more (a pool
+        that still queues requests keeps its series until they are served or refused)."""
+        held = set()
         for pool in self.admission.pools():
-            if not self.registry.knows_model(pool) and self.admission.forget_pool(pool):
-                self.metrics.forget_model(pool)
+            if not self.registry.knows_model(pool) and not self.admission.forget_pool(pool):
+                held.add(pool)
+        for model in self.metrics.label_values("model") - held:
+            if not self.registry.knows_model(model):
+                self.metrics.forget_model(model)
 
     def _unserved(self, model: str) -> APIError:
         """What a request for ``model`` that no worker serves now is answered: 503 while a worker
         has listed it (it may come back) or none is healthy (nothing can be said of the model),
         else 404. New and queued requests alike."""
+        if self.registry.knows_model(model):
+            self.autoscale.note_unserved(model)  # refused demand (gateway/desired_workers.py)
         if self.registry.knows_model(model) or not self.registry.healthy():
             return no_capacity(f"no healthy worker is serving model `{model}`")
         return model_not_found(model)
@@ -568,6 +587,7 @@ class Gateway:
             return
         models, self._orphaned = self._orphaned, set()
         self._fail_unserved(models)
+        self._forget_models()  # a model the fleet no longer lists takes its series with it
 
     def _schedule_kv_sync(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_kv_events())
@@ -712,6 +732,7 @@ class Gateway:
         t0 = request.scope.get(HEAD_AT) or time.perf_counter()
         ticket: Ticket | None = None
         call: Call | None = None
+        req: ParsedRequest | None = None  # parsed: its model and stream go in a refusal's line
         settings = self.settings
         # Until it is handed to `_dispatch` (admission, then a worker: what a drain sees and
         # cuts there), the walk is counted here for the drain: reading a body, keying, quota.
@@ -823,8 +844,9 @@ class Gateway:
             self._walks_cut.discard(me)
             if me is not None:
                 me.uncancel()
-            self.metrics.rejected.labels("503").inc()
-            return _shutting_down().response(echo)
+            err = _shutting_down()
+            await self._refused(call, req, rid, client_rid, path, t0, err)
+            return err.response(echo)
         except APIError as e:
             if call is not None and call.outcome == "gateway_shutdown":
                 # A drain cut it off its worker before any byte reached the client
@@ -852,19 +874,7 @@ class Gateway:
             else:
                 # No worker produced anything: not the tenant's doing, refund it all.
                 await self.settlement.refund(call, ticket)
-            self.metrics.rejected.labels(str(e.status)).inc()
-            log.info(
-                "rejected",
-                extra={
-                    "fields": {
-                        "request_id": rid,
-                        "client_request_id": client_rid,
-                        "path": path,
-                        "status": e.status,
-                        "error": e.message[:200],
-                    }
-                },
-            )
+                await self._refused(call, req, rid, client_rid, path, t0, e)
             if ticket is not None and ticket.admission is not None:
                 # Every response says the key's budget (README), errors after admission too: a
                 # client backing off after a worker's 5xx reads what it has left here.
@@ -875,12 +885,45 @@ class Gateway:
             log.exception("request %s failed inside the gateway", rid)
             if ticket is not None:
                 await self.quota.release(ticket, refund_all=True)
-            self.metrics.rejected.labels("500").inc()
-            return APIError(
-                500, "internal gateway error", "internal_error", code="internal_error"
-            ).response(echo)
+            err = APIError(500, "internal gateway error", "internal_error", code="internal_error")
+            await self._refused(call, req, rid, client_rid, path, t0, err)
+            return err.response(echo)
         finally:
             walks.discard(me)
+
+    async def _refused(
+        self,
+        call: Call | None,
+        req: ParsedRequest | None,
+        rid: str,
+        client_rid: str | None,
+        path: str,
+        t0: float,
+        e: APIError,
+    ) -> None:
+        """Count and log, once, a request the walk answers with ``e`` that `Lifecycle.finish`
+        has not recorded. Refused before any worker was picked: kvgate_rejected_requests_total
+        and a `rejected` request line. A worker was picked (it refused or failed the request,
+        or the client left meanwhile; refunded, nothing generated): a request of that worker,
+        in kvgate_requests_total, as the requests it answered are."""
+        if call is None or not call.attempts:
+            self.life.rejected(
+                rid,
+                client_rid,
+                req.model if req is not None else None,
+                path,
+                e.status,
+                t0,
+                e.message,
+                req.stream if req is not None else None,
+            )
+        elif not call.finished:
+            call.status = e.status
+            if not call.outcome:
+                call.outcome = (
+                    "client_disconnect" if e.status == _CLIENT_CLOSED else e.code or e.type
+                )
+            await self.life.finish(call, e.message[:200], settle=False)
 
     def _admit(
         self, tenant: Tenant, model: str, deadline_s: float | None, tried: Collection[str] = ()

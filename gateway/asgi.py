@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.app import Gateway
+from gateway.app import _RID_OK, Gateway
 from gateway.config import Settings
 from gateway.endpoints import Endpoints
 from gateway.errors import APIError
+from gateway.ids import next_request_id
+from gateway.server import HEAD_AT
 from gateway.validate import CHAT, COMPLETIONS
 
 log = logging.getLogger("kvgate.gateway")
@@ -80,6 +83,40 @@ def _header_bytes(scope: Scope) -> int:
     return sum(len(k) + len(v) for k, v in scope["headers"])
 
 
+_Prebuilt = tuple[bytes, list[tuple[bytes, bytes]], str]
+
+
+def _prebuilt(err: APIError) -> _Prebuilt:
+    """An edge refusal's body, fixed headers and message, built once: the per-request part is
+    the ids."""
+    body = err.body()
+    headers = [(k.encode(), v.encode()) for k, v in err.response().headers.items()]
+    return body, headers, err.message
+
+
+_TOO_MANY = _prebuilt(
+    APIError(
+        503,
+        "The gateway is serving too many requests at once; retry shortly.",
+        "service_unavailable",
+        code="too_many_connections",
+        retry_after_s=1.0,
+    )
+)
+_HEADERS_TOO_LARGE = _prebuilt(
+    APIError(
+        431,
+        "Request headers too large",
+        "invalid_request_error",
+        code="request_header_fields_too_large",
+    )
+)
+# Request lines for the edge's refusals, per second at most: past the cap of
+# `server.max_concurrent_requests` a flood is the usual cause, and every refused request is
+# counted in kvgate_rejected_requests_total anyway; the lines past it are summed in one warning.
+EDGE_LINES_PER_S = 50
+
+
 class FastPathApp:
     """The two completion routes go straight to the walk; everything else through Starlette.
 
@@ -92,20 +129,16 @@ class FastPathApp:
         self.state = app.state
         self._gw = gw
         self._active = 0  # completion requests being served (the edge's concurrency cap)
+        self._log_second = -1  # the edge's request-line budget: the second it counts
+        self._logged = 0  # lines written in that second
+        self._unlogged = 0  # refusals over the budget, not yet reported
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
             and _header_bytes(scope) > self._gw.settings.server.max_header_bytes
         ):
-            err = APIError(
-                431,
-                "Request headers too large",
-                "invalid_request_error",
-                code="request_header_fields_too_large",
-            )
-            self._gw.metrics.rejected.labels("431").inc()
-            await err.response()(scope, receive, send)
+            await self._refuse(scope, send, 431, _HEADERS_TOO_LARGE)
             return
         if (
             scope["type"] == "http"
@@ -115,15 +148,7 @@ class FastPathApp:
             if self._active >= self._gw.settings.server.max_concurrent_requests:
                 # A flood of connections must not become a flood of tasks, buffers and queue
                 # entries: past the cap, a cheap refusal before anything is read.
-                self._gw.metrics.rejected.labels("503").inc()
-                err = APIError(
-                    503,
-                    "The gateway is serving too many requests at once; retry shortly.",
-                    "service_unavailable",
-                    code="too_many_connections",
-                    retry_after_s=1.0,
-                )
-                await err.response()(scope, receive, send)
+                await self._refuse(scope, send, 503, _TOO_MANY)
                 return
             self._active += 1
             try:
@@ -133,3 +158,65 @@ class FastPathApp:
                 self._active -= 1
             return
         await self.app(scope, receive, send)
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        status: int,
+        prebuilt: _Prebuilt,
+    ) -> None:
+        """A refusal before anything is read: its prebuilt envelope with the ids every response
+        carries (`gateway.ids.echo_headers`), counted, and logged as a request line within the
+        edge's budget (`EDGE_LINES_PER_S`)."""
+        rid = next_request_id()
+        client_rid = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                client_rid = v.decode("latin-1")
+                if not _RID_OK.fullmatch(client_rid):
+                    client_rid = None
+                break
+        body, headers, message = prebuilt
+        rid_b = rid.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    *headers,
+                    (b"x-request-id", client_rid.encode() if client_rid else rid_b),
+                    (b"x-kvgate-request-id", rid_b),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+        now = time.perf_counter()
+        self._gw.life.rejected(
+            rid,
+            client_rid,
+            None,
+            scope["path"],
+            status,
+            scope.get(HEAD_AT) or now,
+            message,
+            log=self._budget(now),
+        )
+
+    def _budget(self, now: float) -> bool:
+        """Whether this edge refusal gets its request line (`EDGE_LINES_PER_S`)."""
+        second = int(now)
+        if second != self._log_second:
+            if self._unlogged:
+                log.warning(
+                    "%d requests refused at the edge (431, or 503 past "
+                    "server.max_concurrent_requests) were not logged: over %d lines/s",
+                    self._unlogged,
+                    EDGE_LINES_PER_S,
+                )
+            self._log_second, self._logged, self._unlogged = second, 0, 0
+        if self._logged < EDGE_LINES_PER_S:
+            self._logged += 1
+            return True
+        self._unlogged += 1
+        return False

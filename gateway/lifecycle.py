@@ -33,6 +33,69 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.proxy")
 reqlog = logging.getLogger("kvgate.request")
 
+REJECTED = "rejected"  # the request line's outcome for a request refused before any worker
+_MODEL_LOGGED = 256  # a refused request's model is the client's string, unchecked: capped
+
+
+class Refused:
+    """A request refused before any worker was picked for it, as the request line reads it (the
+    fields of a `Call` that `request_line` reads): built only on refusals."""
+
+    __slots__ = ("client_request_id", "model", "path", "request_id", "status", "stream")
+    worker = None
+    outcome = REJECTED
+    attempts = 0
+    ttft = None
+    t_sent = 0.0
+    t_start = 0.0
+    usage = None
+
+    def __init__(
+        self,
+        request_id: str,
+        client_request_id: str | None,
+        model: str | None,
+        path: str,
+        status: int,
+        stream: bool | None,
+    ) -> None:
+        if model is not None and len(model) > _MODEL_LOGGED:  # the client's, unchecked
+            model = model[:_MODEL_LOGGED]
+        self.request_id = request_id
+        self.client_request_id = client_request_id
+        self.model = model
+        self.path = path
+        self.status = status
+        self.stream = stream
+
+
+def request_line(call: Call | Refused, e2e: float, error: str | None) -> dict[str, object]:
+    """The request log line's fields (README "Logs"), one schema for every request: finished
+    (`Lifecycle.finish`) or refused (`Lifecycle.rejected`, from the walk and the edge)."""
+    u = call.usage
+    line = {
+        "request_id": call.request_id,
+        "client_request_id": call.client_request_id,
+        "model": call.model,
+        "path": call.path,
+        "worker": call.worker,
+        "status": call.status,
+        "outcome": call.outcome,
+        "attempts": call.attempts,
+        "stream": call.stream,
+        "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
+        # From the request head to the worker: where a slow TTFT was spent, in the gateway
+        # (sent_ms) or at the worker and on the way back (the rest).
+        "sent_ms": round((call.t_sent - call.t_start) * 1000, 3) if call.t_sent else None,
+        "e2e_ms": round(e2e * 1000, 3),
+        "prompt_tokens": u.prompt_tokens if u else None,
+        "completion_tokens": u.completion_tokens if u else None,
+        "cached_tokens": u.cached_tokens if u else None,
+    }
+    if error is not None:  # why the gateway answered as it did; absent on a worker's answers
+        line["error"] = error
+    return line
+
 
 class Lifecycle:
     """What every dispatch changes, from the worker's pick to the request's log line."""
@@ -75,6 +138,9 @@ class Lifecycle:
         call.prefill_reported = False
         call.prefill_tokens = d.prefill_tokens
         call.pool = worker.spec.labels.get("pool", "default")
+        # The worker it is on from now: a client that leaves during the prefill, or a drain or
+        # timeout that cuts it there, is counted and logged on this worker, not on "-".
+        call.worker = worker.name
         m.child(m.in_flight, worker.name).set(worker.in_flight)
 
     def learned(self, call: Call, worker: Worker) -> None:
@@ -139,14 +205,17 @@ class Lifecycle:
             self.registry.passive_success(worker.name)
 
     # -- the request -----------------------------------------------------------------------------
-    async def finish(self, call: Call) -> None:
-        """Record one finished request: settlement, metrics, the log line; once (a whole
-        response whose client left during its settlement reaches here again from the walk)."""
+    async def finish(self, call: Call, error: str | None = None, settle: bool = True) -> None:
+        """Record one request a worker was picked for: settlement, metrics, the log line; once
+        (a whole response whose client left during its settlement reaches here again from the
+        walk). ``settle`` False: the walk refunded it (the workers refused or failed it, or the
+        client left before one had it), ``error`` the message it was answered with."""
         if call.finished:
             return
         call.finished = True
         e2e = time.perf_counter() - call.t_start
-        await self.settlement.settle(call)
+        if settle:
+            await self.settlement.settle(call)
         m = self.metrics
         m.child(m.requests, call.model, call.worker or "-", str(call.status)).inc()
         m.batched(m.e2e, call.model).observe(e2e)
@@ -160,32 +229,34 @@ class Lifecycle:
             if u is not None and call.route_debug is not None and call.route.chain:
                 self._record_prediction(call, call.route_debug, u.cached_tokens)
         if self.log_requests and reqlog.isEnabledFor(logging.INFO):
-            u = call.usage
-            log_fields(
-                reqlog,
-                "request",
-                {
-                    "request_id": call.request_id,
-                    "client_request_id": call.client_request_id,
-                    "model": call.model,
-                    "path": call.path,
-                    "worker": call.worker,
-                    "status": call.status,
-                    "outcome": call.outcome,
-                    "attempts": call.attempts,
-                    "stream": call.stream,
-                    "ttft_ms": round(call.ttft * 1000, 3) if call.ttft is not None else None,
-                    # From the request head to the worker: where a slow TTFT was spent, in the
-                    # gateway (sent_ms) or at the worker and on the way back (the rest).
-                    "sent_ms": round((call.t_sent - call.t_start) * 1000, 3)
-                    if call.t_sent
-                    else None,
-                    "e2e_ms": round(e2e * 1000, 3),
-                    "prompt_tokens": u.prompt_tokens if u else None,
-                    "completion_tokens": u.completion_tokens if u else None,
-                    "cached_tokens": u.cached_tokens if u else None,
-                },
+            log_fields(reqlog, "request", request_line(call, e2e, error))
+
+    def rejected(
+        self,
+        request_id: str,
+        client_request_id: str | None,
+        model: str | None,
+        path: str,
+        status: int,
+        t_start: float,
+        error: str | None = None,
+        stream: bool | None = None,
+        log: bool = True,
+    ) -> None:
+        """Count and log a request the gateway refused before any worker was picked for it
+        (authentication, limits, validation, quota, admission, a drain, the edge's caps): in
+        kvgate_rejected_requests_total{reason=<status>} alone, and one request line (outcome
+        `rejected`, attempts 0, `error` the refusal's message), as a finished request's;
+        ``log`` False counts it only (the edge's refusals past their lines per second)."""
+        m = self.metrics
+        m.child(m.rejected, str(status)).inc()
+        if log and self.log_requests and reqlog.isEnabledFor(logging.INFO):
+            line = request_line(
+                Refused(request_id, client_request_id, model, path, status, stream),
+                time.perf_counter() - t_start,
+                error[:200] if error is not None else None,
             )
+            log_fields(reqlog, "request", line)
 
     def _record_prediction(self, call: Call, d: Decision, actual: int) -> None:
         """How well routing knew the worker's cache: predicted vs reported cached tokens.

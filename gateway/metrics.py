@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gateway.logs import log_handler
@@ -141,7 +142,10 @@ class _FlushFirst(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        self._metrics.flush()
+        m = self._metrics
+        m.flush()
+        if m._pending_tenants:  # removed tenants whose last requests have settled since
+            m._forget_settled_tenants()
         return iter(())
 
 
@@ -150,6 +154,7 @@ class GatewayMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._batched: dict[tuple[int, tuple[str, ...]], BatchedHistogram] = {}
         self._deferred: list[BatchedCounter | BatchedGauge] = []  # batched children of child()
+        self._pending_tenants: set[str] = set()  # removed, series dropped once settled
         r = self.registry = CollectorRegistry(auto_describe=True)
         r.register(_FlushFirst(self))
         self.requests = Counter(
@@ -375,15 +380,46 @@ class GatewayMetrics:
         for h in Health:
             self.worker_state.labels(name, h.value).set(1 if health is h else 0)
 
-    def forget_model(self, model: str) -> None:
-        """Drop the admission series of a model no worker serves any more (its pool is gone)."""
-        self.flush()
-        for metric in (self.admission_wait, self.admission_outcomes):
-            for key in [k for k in self._children if k[0] == id(metric) and k[1][0] == model]:
-                del self._children[key]
-            for labels in [k for k in metric._metrics if k[0] == model]:
-                metric.remove(*labels)
+    def _labelled(self, label: str) -> list[Any]:
+        """This registry's labelled metrics that have ``label``, with its index in their labels."""
+        out = []
+        for metric in vars(self).values():
+            names = getattr(metric, "_labelnames", None)
+            if isinstance(metric, MetricWrapperBase) and names and label in names:
+                out.append((metric, names.index(label)))
+        return out
+
+    def _forget(self, label: str, values: Collection[str]) -> None:
+        """Drop every series whose ``label`` is one of ``values``, in every metric that has the
+        label, and the cached (batched) children that fed them. Per event (a worker, model or
+        tenant that left), never per request: it walks every child of those metrics."""
+        if not values:
+            return
+        self.flush()  # what the batched children hold goes in before they are dropped
+        for metric, i in self._labelled(label):
+            mid = id(metric)
+            for cache in (self._children, self._batched):
+                for key in [k for k in cache if k[0] == mid and k[1][i] in values]:
+                    del cache[key]
+            with metric._lock:
+                gone = [k for k in metric._metrics if k[i] in values]
+            for labels in gone:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels)
         self._rebuild_deferred()
+
+    def label_values(self, label: str) -> set[str]:
+        """The values ``label`` has in this registry's series now (per event, not per request)."""
+        out: set[str] = set()
+        for metric, i in self._labelled(label):
+            with metric._lock:
+                out.update(k[i] for k in metric._metrics)
+        return out
+
+    def forget_model(self, model: str) -> None:
+        """Drop every series of a model no worker serves any more (its pool is gone): requests,
+        latencies (ttft, tpot, inter-event, e2e) and admission."""
+        self._forget("model", (model,))
 
     def _rebuild_deferred(self) -> None:
         """The batched children still cached, after some were dropped."""
@@ -391,23 +427,39 @@ class GatewayMetrics:
             c for c in self._children.values() if isinstance(c, (BatchedCounter, BatchedGauge))
         ]
 
-    def forget_worker(self, name: str, states: list[str]) -> None:
-        """Drop a removed worker's series so dashboards do not show ghosts."""
-        self.flush()  # what the worker's batched series hold goes in before they are dropped
-        self._children = {k: v for k, v in self._children.items() if name not in k[1]}
-        self._rebuild_deferred()
-        for g in (
-            self.in_flight,
-            self.worker_up,
-            self.queue_delay,
-            self.probe_seconds,
-            self.probe_failures,
-        ):
-            with contextlib.suppress(KeyError):
-                g.remove(name)
-        for s in states:
-            with contextlib.suppress(KeyError):
-                self.worker_state.remove(name, s)
+    def forget_worker(self, name: str, states: list[str] | None = None) -> None:
+        """Drop a removed worker's series (every metric with a ``worker`` label: requests,
+        in-flight, health, probes, queue delay) so dashboards do not show ghosts and pods that
+        come and go under new names do not grow the exposition. ``states`` is unused (every
+        ``kvgate_worker_state`` series of the worker goes); kept for callers."""
+        self._forget("worker", (name,))
+
+    def forget_tenants(self, names: Collection[str]) -> None:
+        """Drop the series of tenants a reload removed. A tenant with requests still in flight
+        keeps its series until they have settled (their settlement would bring them back, the
+        in-flight gauge below zero): dropped at the first collection after that (`_FlushFirst`).
+        An unlimited tenant's requests are not counted in flight: its series go at once."""
+        self._pending_tenants.update(names)
+        self._forget_settled_tenants()
+
+    def keep_tenants(self, names: Collection[str]) -> None:
+        """Tenants (back) in the config: not to be dropped."""
+        self._pending_tenants.difference_update(names)
+
+    def _forget_settled_tenants(self) -> None:
+        pending = self._pending_tenants
+        if not pending:
+            return
+        self.flush()
+        busy = {
+            k[0]
+            for k, child in list(self.tenant_in_flight._metrics.items())
+            if k[0] in pending and child._value.get()
+        }
+        done = pending - busy
+        if done:
+            self._pending_tenants = busy
+            self._forget("tenant", done)
 
 
 class KVEventCollector(Collector):
@@ -507,8 +559,10 @@ class AdmissionMetrics:
 
     def refused(self, pool: str, tier: int, reason: str, status: int) -> None:
         m = self.m
+        # Not `rejected`: the refusal reaches the walk as its APIError, which counts the
+        # request once (kvgate_rejected_requests_total, or kvgate_requests_total for a retry's
+        # wait after a worker had it).
         m.child(m.admission_outcomes, pool, str(tier), reason).inc()
-        m.child(m.rejected, str(status)).inc()
 
     def cancelled(self, pool: str, tier: int, wait_s: float) -> None:
         m = self.m

@@ -193,3 +193,30 @@ async def test_a_gateway_restarted_while_two_of_three_workers_are_down() -> None
     label = f'{{model="{MODEL}"}}'
     assert m[f"kvgate_autoscale_healthy_workers{label}"] == 1
     assert m[f"kvgate_autoscale_desired_workers{label}"] == 3
+
+
+async def test_refused_requests_scale_a_model_back_up_from_zero() -> None:
+    import httpx
+
+    from tests.gateway.conftest import MODEL, run_gateway, settings_for, until
+    from tests.support.sim_workers import run_sim_workers
+
+    label = f'{{model="{MODEL}"}}'
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    auto = {"min_workers": 0, "scale_in_cooldown_s": 0}
+    async with (
+        run_sim_workers(1) as fleet,
+        run_gateway(settings_for(list(fleet), autoscale=auto)) as g,
+        httpx.AsyncClient(timeout=10) as c,
+    ):
+        await g.wait_healthy(1)
+        for _ in range(3):
+            m = await g.metrics()
+        assert m[f"kvgate_autoscale_desired_workers{label}"] == 0
+        fleet.workers[0].faults.update({"unhealthy": True})
+        await until(lambda: not g.gw.registry.healthy(), 10, "worker down")
+        assert (await g.metrics())[f"kvgate_autoscale_desired_workers{label}"] == 0
+        for _ in range(5):
+            assert (await c.post(g.url + "/v1/chat/completions", json=body)).status_code == 503
+        m = await g.metrics()
+    assert m[f"kvgate_autoscale_desired_workers{label}"] == 1

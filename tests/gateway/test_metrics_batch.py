@@ -78,9 +78,12 @@ def test_batched_counters_and_gauges_show_every_write_at_collection() -> None:
     assert (
         get("kvgate_worker_in_flight", {"worker": "w0"}) == 6
     )  # collecting again adds nothing twice
+    child = m.requests.labels("sim", "w0", "200")
     m.child(m.requests, "sim", "w0", "200").inc()
-    m.forget_worker("w0", [])  # a removed worker's pending counts are not lost on the way out
-    assert get("kvgate_requests_total", {"model": "sim", "worker": "w0", "status": "200"}) == 4
+    # A removed worker's pending counts are flushed on the way out, then its series go.
+    m.forget_worker("w0", [])
+    assert child._value.get() == 4
+    assert get("kvgate_requests_total", {"model": "sim", "worker": "w0", "status": "200"}) is None
 
 
 def test_a_batched_counter_refuses_to_go_down_as_prometheus_does() -> None:
