@@ -15,6 +15,7 @@ from aiohttp import web
 
 from bench import overhead
 from bench.overhead import Shot, closed_loop
+from tests.support.aiohttp_app import serve_aiohttp
 
 ROLE = (
     b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"m",'
@@ -64,14 +65,8 @@ async def _server(mode: str, fail_first: int = 0) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app) as url:
+        yield url
 
 
 # -- the classic drive -----------------------------------------------------------------------

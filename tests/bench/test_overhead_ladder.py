@@ -31,6 +31,7 @@ from bench.overhead import (
     summary_table,
 )
 from bench.simulate import print_table
+from tests.support.aiohttp_app import serve_aiohttp
 
 
 def _check_layout(lay: CoreLayout, ncpu: int) -> None:
@@ -157,15 +158,8 @@ async def _server(mode: str) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app) as url:
+        yield url
 
 
 def _shot(url: str) -> Shot:

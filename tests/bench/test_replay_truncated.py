@@ -15,6 +15,7 @@ from bench.metrics import SLO
 from bench.replay import ReplayOptions, replay, summarize
 from bench.sse_client import StreamResult, stream
 from bench.traces import Trace, TraceRequest
+from tests.support.aiohttp_app import serve_aiohttp
 
 
 def _ev(doc: object) -> bytes:
@@ -50,14 +51,8 @@ async def _server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/{name}/v1/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_aiohttp(app) as url:
+        yield url
 
 
 async def _parse(url: str) -> StreamResult:

@@ -17,6 +17,7 @@ from bench.peers import free_ports
 from bench.replay import ReplayOptions, RequestRecord, _one
 from bench.sse_client import StreamResult, stream, stream_http1
 from bench.traces import TraceRequest
+from tests.support.aiohttp_app import serve_aiohttp
 
 
 def _ev(doc: object) -> bytes:
@@ -92,15 +93,11 @@ async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/{name}", handle)
     app.router.add_post("/{name}/v1/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with serve_aiohttp(app) as url:
+            yield url
     finally:
         release.set()
-        await runner.cleanup()
 
 
 async def _get(url: str, *, parse: bool, **kw: object) -> StreamResult:
