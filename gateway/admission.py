@@ -348,25 +348,29 @@ class AdmissionController:
         """Room may have appeared (a request finished, a scrape came in): admit what fits, in
         ``pool``, in several (the models one worker serves) or in all."""
         if isinstance(pool, str):
+            r = self._retries.get(pool) if self._retries else None
+            if r is not None and r.queue._size:
+                for p in self._by_priority((r, self._pools.get(pool))):
+                    self._kick_pool(p)
+                return
             p = self._pools.get(pool)
             if p is not None and p.queue._size:
                 self._kick_pool(p)
-            if self._retries:
-                p = self._retries.get(pool)
-                if p is not None and p.queue._size:
-                    self._kick_pool(p)
             return
         if pool is None:
             pools: Iterable[_Pool | None] = self._all()
         else:
             names = list(pool)
-            pools = [*map(self._pools.get, names), *map(self._retries.get, names)]
+            pools = [*map(self._retries.get, names), *map(self._pools.get, names)]
         for p in self._by_priority(pools):
             self._kick_pool(p)
 
     def _all(self) -> list[_Pool]:
-        """Every queue: the models' and their retries'."""
-        return [*self._pools.values(), *self._retries.values()]
+        """Every queue, retries' first: at the same tier a retry, which waited before, takes
+        the room of a worker it has not tried ahead of new requests (kicked after, they had it
+        every time, and under steady load a retry waited out its deadline). The sort by tier
+        (`_by_priority`) is stable."""
+        return [*self._retries.values(), *self._pools.values()]
 
     def _named(self, pool: str) -> list[_Pool]:
         """The queues of one model: its own and its retries'."""

@@ -180,3 +180,56 @@ async def test_retries_are_counted_by_the_workers_status_not_its_error_code() ->
             m = await g.metrics()
     reasons = {k for k, v in m.items() if k.startswith("kvgate_retries_total{") and v}
     assert reasons == {'kvgate_retries_total{reason="upstream_503"}'}, reasons
+
+
+async def test_a_waiting_retry_takes_a_freed_slot_ahead_of_new_requests() -> None:
+    # Kicked after the model's own queue, a retry lost every freed slot of the worker it waited
+    # for to the new requests queued meanwhile, and under steady load waited out its deadline.
+    held = {"hold1": asyncio.Event(), "hold2": asyncio.Event()}
+    seen: dict[int, list[str]] = {0: [], 1: []}
+
+    def worker(i: int) -> Any:
+        async def handler(request: Request) -> Response:
+            text = (await request.json())["messages"][0]["content"]
+            seen[i].append(text)
+            if text in held:
+                await held[text].wait()
+            elif text == "poison":
+                err = {"error": {"message": "no", "type": "service_unavailable", "code": 503}}
+                return JSONResponse(err, status_code=503)
+            return JSONResponse(chat_completion())
+
+        return stub_app(handler)
+
+    async with (
+        serve_app(worker(0), force_exit=True) as u0,
+        serve_app(worker(1), force_exit=True) as u1,
+    ):
+        s = settings_for(
+            [u0, u1],
+            admission={"default_deadline_s": 20, "max_deadline_s": 30},
+            probes={"unhealthy_after": 1000, "breaker_window": 0},
+        )
+        workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
+        s = s.model_copy(update={"workers": workers})
+        async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
+            await g.wait_healthy(2)
+            url = g.url + "/v1/chat/completions"
+            post = lambda text: asyncio.create_task(c.post(url, json=_body(text)))  # noqa: E731
+            first = post("hold1")
+            await until(lambda: seen[0] + seen[1] == ["hold1"], 10, "hold1 running")
+            busy = 0 if seen[0] else 1
+            poison = post("poison")  # refused by the other worker: its retry waits for `busy`
+            await until(lambda: g.gw.admission.queued() == 1, 10, "the retry waits")
+            second = post("hold2")  # takes the other worker again
+            await until(lambda: seen[1 - busy][-1:] == ["hold2"], 10, "hold2 running")
+            fresh = post("fresh")  # both full: queued behind
+            await until(lambda: g.gw.admission.queued() == 2, 10, "a new request queued too")
+            held["hold1"].set()  # `busy` frees a slot: the retry's
+            assert (await first).status_code == 200
+            await until(lambda: len(seen[busy]) == 2, 10, "busy's next request")
+            assert seen[busy] == ["hold1", "poison"]
+            assert (await poison).status_code == 503  # both workers refused it
+            assert (await fresh).status_code == 200
+            held["hold2"].set()
+            assert (await second).status_code == 200
