@@ -478,6 +478,9 @@ class QuotaStore(Protocol):
 
     async def usage(self, tenant: str, limits: TenantLimits | None = None) -> dict[str, Any]: ...
 
+    def forget(self, tenant: str, request_id: str) -> None:
+        """Stop renewing a finished request's concurrency lease (its settlement may follow)."""
+
     async def close(self) -> None: ...
 
 

@@ -396,10 +396,9 @@ class QuotaGate:
 
 
 def _forget(t: Ticket) -> None:
-    """Stop renewing the lease of a request that is over (stores without renewal: no-op)."""
-    forget = getattr(t.store, "forget", None)
-    if forget is not None:
-        forget(t.tenant.name, t.request_id)
+    """Stop renewing the lease of a request that is over (`QuotaStore.forget`)."""
+    if t.store is not None:
+        t.store.forget(t.tenant.name, t.request_id)
 
 
 def _settlement(t: Ticket) -> str:

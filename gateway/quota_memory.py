@@ -262,6 +262,9 @@ class MemoryQuotaStore:
         rec.expires_us = now + MEMORY_SETTLED_TTL_S * 1e6
         return Settlement("settled", rec.tokens, actual)
 
+    def forget(self, tenant: str, request_id: str) -> None:
+        """Nothing to stop: every lease here is renewed until its request settles."""
+
     async def usage(self, tenant: str, limits: TenantLimits | None = None) -> dict[str, Any]:
         with self._lock:
             now = self._now_us()
@@ -334,6 +337,9 @@ class DegradedLocalStore:
 
     async def usage(self, tenant: str, limits: TenantLimits | None = None) -> dict[str, Any]:
         return await self._local.usage(tenant, None if limits is None else self.scaled(limits))
+
+    def forget(self, tenant: str, request_id: str) -> None:
+        self._local.forget(tenant, request_id)
 
     async def close(self) -> None:
         await self._local.close()

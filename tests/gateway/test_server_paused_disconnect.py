@@ -12,16 +12,15 @@ Raw sockets on 127.0.0.1, on asyncio and on uvloop; waits are polled or bounded,
 from __future__ import annotations
 
 import asyncio
-import sys
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
-import pytest
 
 from tests.gateway.conftest import MODEL, run_gateway, settings_for, until
 from tests.gateway.test_pipelining import RUNNERS, WAIT_S, HeldWorker, Runner, _chat, _conn
 from tests.support.raw_worker import raw_worker
-
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads TCP_INFO (Linux)")
 
 
 def _chat_with_body(pad: int) -> bytes:
@@ -43,7 +42,11 @@ def test_a_client_leaving_with_a_big_queued_body_aborts_the_running_request(
     runner(_a_client_leaving_with_a_big_queued_body_aborts_the_running_request())
 
 
-async def _a_client_leaving_with_a_big_queued_body_aborts_the_running_request() -> None:
+@contextlib.asynccontextmanager
+async def _paused() -> AsyncIterator[tuple[HeldWorker, Any, Any, asyncio.StreamReader, Any]]:
+    """A gateway over a held worker, and a client whose completion runs there with a second one,
+    of a 200 kB body, pipelined behind it: reading paused on the queued body. Yields (worker,
+    gateway, the client's connection in the server, reader, writer)."""
     worker = HeldWorker()
     async with (
         raw_worker(worker.script) as (url, _posts),
@@ -51,12 +54,17 @@ async def _a_client_leaving_with_a_big_queued_body_aborts_the_running_request() 
     ):
         await g.wait_healthy(1)
         port = int(g.url.rsplit(":", 1)[1])
-        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(_chat())
         await asyncio.wait_for(worker.got.wait(), WAIT_S)
         conn = _conn(g)
         w.write(_chat_with_body(200_000))
         await until(lambda: conn.flow.read_paused, WAIT_S, "reading paused on the queued body")
+        yield worker, g, conn, r, w
+
+
+async def _a_client_leaving_with_a_big_queued_body_aborts_the_running_request() -> None:
+    async with _paused() as (worker, g, conn, _r, w):
         assert len(conn.pipeline) == 1
         w.close()
         await asyncio.wait_for(worker.aborted.wait(), WAIT_S)
@@ -78,19 +86,7 @@ def test_a_big_queued_body_is_served_after_the_running_request(runner: Runner) -
 
 
 async def _a_big_queued_body_is_served_after_the_running_request() -> None:
-    worker = HeldWorker()
-    async with (
-        raw_worker(worker.script) as (url, _posts),
-        run_gateway(settings_for([url])) as g,
-    ):
-        await g.wait_healthy(1)
-        port = int(g.url.rsplit(":", 1)[1])
-        r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.write(_chat())
-        await asyncio.wait_for(worker.got.wait(), WAIT_S)
-        conn = _conn(g)
-        w.write(_chat_with_body(200_000))
-        await until(lambda: conn.flow.read_paused, WAIT_S, "reading paused on the queued body")
+    async with _paused() as (worker, g, conn, r, w):
         # A check of the paused socket runs (and re-arms) before the answer: the client is there.
         first = conn._paused_timer
         assert first is not None
