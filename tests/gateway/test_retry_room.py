@@ -17,6 +17,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.config import Settings
 from tests.gateway.conftest import (
     MODEL,
     chat_completion,
@@ -28,6 +29,18 @@ from tests.gateway.conftest import (
 )
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _capped(urls: list[str], **admission: float) -> Settings:
+    """Workers capped at one request each, kept in rotation whatever they answer (their
+    refusals alone must not take them out), requests queued up to 20 s."""
+    s = settings_for(
+        urls,
+        admission={"default_deadline_s": 20, "max_deadline_s": 30, **admission},
+        probes={"unhealthy_after": 1000, "breaker_window": 0},
+    )
+    workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
+    return s.model_copy(update={"workers": workers})
 
 
 async def test_retries_wait_for_room_instead_of_overfilling_a_worker() -> None:
@@ -52,14 +65,8 @@ async def test_retries_wait_for_room_instead_of_overfilling_a_worker() -> None:
         serve_app(stub_app(good), force_exit=True) as good_url,
         serve_app(stub_app(bad), force_exit=True) as bad_url,
     ):
-        s = settings_for(
-            [good_url, bad_url],
-            admission={"default_deadline_s": 20, "max_deadline_s": 30},
-            # The broken worker stays in rotation: its refusals alone must not overfill the other.
-            probes={"unhealthy_after": 1000, "breaker_window": 0},
-        )
-        workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
-        s = s.model_copy(update={"workers": workers})
+        # The broken worker stays in rotation: its refusals alone must not overfill the other.
+        s = _capped([good_url, bad_url])
         async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
             await g.wait_healthy(2)
             rs = await asyncio.gather(
@@ -98,13 +105,7 @@ async def _two_workers(release: asyncio.Event, **admission: float) -> AsyncItera
         serve_app(_stub(release), force_exit=True) as u1,
         serve_app(_stub(release), force_exit=True) as u2,
     ):
-        s = settings_for(
-            [u1, u2],
-            admission={"default_deadline_s": 20, "max_deadline_s": 30, **admission},
-            probes={"unhealthy_after": 1000, "breaker_window": 0},
-        )
-        workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
-        s = s.model_copy(update={"workers": workers})
+        s = _capped([u1, u2], **admission)
         async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
             await g.wait_healthy(2)
             url = g.url + "/v1/chat/completions"
@@ -205,13 +206,7 @@ async def test_a_waiting_retry_takes_a_freed_slot_ahead_of_new_requests() -> Non
         serve_app(worker(0), force_exit=True) as u0,
         serve_app(worker(1), force_exit=True) as u1,
     ):
-        s = settings_for(
-            [u0, u1],
-            admission={"default_deadline_s": 20, "max_deadline_s": 30},
-            probes={"unhealthy_after": 1000, "breaker_window": 0},
-        )
-        workers = [w.model_copy(update={"max_concurrency": 1}) for w in s.workers]
-        s = s.model_copy(update={"workers": workers})
+        s = _capped([u0, u1])
         async with run_gateway(s) as g, httpx.AsyncClient(timeout=60) as c:
             await g.wait_healthy(2)
             url = g.url + "/v1/chat/completions"
