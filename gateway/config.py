@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.desired_workers import AutoscaleSettings as AutoscaleCore
+from gateway.quota import DEFAULT_LEASE_TTL_S
 from scoring.views import Weights
 
 _T = TypeVar("_T")
@@ -301,11 +302,17 @@ class UpstreamSettings(_Section):
     keepalive_s: float = Field(4.0, gt=0)
 
 
+# The largest rate, burst or concurrency limit: the Redis scripts compute in doubles, exact to
+# 2^53, and a larger figure (a typo, `10^400` in a template) was read as infinite: no limit at all,
+# silently. An operator who means "no limit" leaves the field out.
+MAX_LIMIT = 10**12
+
+
 class ModelQuotaSettings(_Section):
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    burst_requests: int | None = Field(None, ge=1)
-    burst_tokens: int | None = Field(None, ge=1)
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    burst_requests: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    burst_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
 
 
 class TenantSettings(_Section):
@@ -315,12 +322,12 @@ class TenantSettings(_Section):
     priority: float = Field(0.5, ge=0, le=1)
     # Share of the admission queue against other tenants of the same priority tier.
     queue_weight: float = Field(1.0, gt=0)
-    rpm: int | None = Field(None, ge=1)
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
     # Input + output tokens per minute.
-    tpm: int | None = Field(None, ge=1)
-    burst_requests: int | None = Field(None, ge=1)
-    burst_tokens: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    burst_requests: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    burst_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=0, le=MAX_LIMIT)
     max_input_tokens: int | None = Field(None, ge=1)
     # Output tokens per choice: applies to every output-limit field a worker may read
     # (`max_tokens`, `max_completion_tokens`), on both endpoints.
@@ -396,6 +403,10 @@ class QuotaSettings(_Section):
     # Settlements kept for replay while the store is down (beyond: oldest fall back to lease
     # expiry). ~300 B each.
     max_deferred_settlements: int = Field(100_000, ge=1)
+    # A concurrency lease whose process stops renewing it (crashed, killed) is dropped after this
+    # long; the holder renews every sixth of it. Lower frees a crashed replica's slots sooner, at
+    # more renewal calls; every replica must use the same value.
+    lease_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, ge=6.0, le=3600.0)
     # Usage records (one per finished request): a Redis stream with the redis backend ...
     usage_stream: str = "kvgate:usage"
     usage_stream_maxlen: int = Field(100_000, ge=1)

@@ -33,10 +33,11 @@ Semantics the gateway and the tests rely on (both backends implement exactly the
   OpenAI counts attempts. `release(refund_all=True)` is for failures that are the gateway's or
   the upstream's own (no worker, connect error, 5xx before any token): the request's RPM cell is
   refunded too, because the tenant got nothing and did nothing wrong.
-* A concurrency lease is renewed by the process that holds it (every `LEASE_RENEW_S`, while its
-  request runs) and pruned once it has gone `lease_ttl_s` (default 60 s) without a renewal: a
-  request that runs for hours keeps counting toward `max_concurrent`, and the leases of a
-  gateway that crashed (SIGKILL, OOM) are gone about a minute later. The renewal also extends
+* A concurrency lease is renewed by the process that holds it (every sixth of `lease_ttl_s`,
+  while its request runs) and pruned once it has gone `lease_ttl_s` (`[quota] lease_ttl_s`,
+  default 60 s) without a renewal: a request that runs for hours keeps counting toward
+  `max_concurrent`, and the leases of a gateway that crashed (SIGKILL, OOM) are gone about a
+  minute later. The renewal also extends
   the request's reservation record, which lives `RECORD_GRACE_S` past the last renewal, so a
   settle after the prune (a late one, or one replayed after an outage) still settles tokens.
 """
@@ -59,7 +60,8 @@ DEFAULT_REQUEST_BURST_S = 10.0
 DEFAULT_LEASE_TTL_S = 60.0
 # How often a process renews the leases it holds: well under the TTL, so a renewal lost to a
 # blip (or a slow event loop) does not cost a live request its lease.
-LEASE_RENEW_S = DEFAULT_LEASE_TTL_S / 6
+LEASE_RENEWALS_PER_TTL = 6
+LEASE_RENEW_S = DEFAULT_LEASE_TTL_S / LEASE_RENEWALS_PER_TTL
 # A reservation record lives this long past its lease's TTL (counted from the last renewal) so
 # a late settle still refunds.
 RECORD_GRACE_S = 3600.0

@@ -40,6 +40,7 @@ from gateway.config import QuotaSettings
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.quota import (
+    LEASE_RENEWALS_PER_TTL,
     Admission,
     QuotaStore,
     QuotaStoreError,
@@ -104,6 +105,8 @@ class QuotaGate:
         self.cfg = cfg
         self.metrics = metrics
         self.shared: QuotaStore
+        # Well under the TTL, so a renewal lost to a blip does not cost a live request its lease.
+        renew_s = cfg.lease_ttl_s / LEASE_RENEWALS_PER_TTL
         if cfg.backend == "redis":
             from gateway.quota_redis import RedisQuotaStore
 
@@ -113,10 +116,13 @@ class QuotaGate:
                 socket_timeout_s=cfg.socket_timeout_s,
                 connect_timeout_s=cfg.socket_timeout_s,
                 op_timeout_s=cfg.op_timeout_s,
+                lease_renew_s=renew_s,
             )
         else:
-            self.shared = MemoryQuotaStore(prefix=cfg.key_prefix)
-        self.degraded = DegradedLocalStore(cfg.replicas, prefix=cfg.key_prefix)
+            self.shared = MemoryQuotaStore(prefix=cfg.key_prefix, lease_renew_s=renew_s)
+        self.degraded = DegradedLocalStore(
+            cfg.replicas, prefix=cfg.key_prefix, lease_renew_s=renew_s
+        )
         self.breaker = CircuitBreaker(
             failure_threshold=cfg.breaker_failures,
             cooldown_s=cfg.breaker_cooldown_s,

@@ -302,12 +302,13 @@ class DegradedLocalStore:
         prefix: str = "kvgate:",
         clock: Callable[[], float] = time.time,
         retry_after_s: float = 5.0,
+        lease_renew_s: float = LEASE_RENEW_S,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.replicas = replicas
         self.retry_after_s = retry_after_s
-        self._local = MemoryQuotaStore(prefix=prefix, clock=clock)
+        self._local = MemoryQuotaStore(prefix=prefix, clock=clock, lease_renew_s=lease_renew_s)
         self._scale = lru_cache(maxsize=1024)(lambda lim: scale_limits(lim, self.replicas))
 
     def scaled(self, limits: TenantLimits) -> TenantLimits:

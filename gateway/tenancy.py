@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.config import Settings, TenantSettings
 from gateway.errors import APIError, bad_request, model_not_found
-from gateway.quota import ModelLimits, TenantLimits
+from gateway.quota import DEFAULT_LEASE_TTL_S, ModelLimits, TenantLimits
 from scoring.chat_inputs import rendered_bytes, utf8_len
 
 _NO_MEDIA: Mapping[str, int] = {}
@@ -82,7 +82,7 @@ def _fence_media_uuids(tenant: Tenant, messages: list[Any]) -> bool:
     return changed
 
 
-def _limits(t: TenantSettings) -> TenantLimits:
+def _limits(t: TenantSettings, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> TenantLimits:
     return TenantLimits(
         rpm=t.rpm,
         tpm=t.tpm,
@@ -95,6 +95,7 @@ def _limits(t: TenantSettings) -> TenantLimits:
             )
             for m, q in t.model_limits.items()
         },
+        lease_ttl_s=lease_ttl_s,
     )
 
 
@@ -193,7 +194,7 @@ class Tenants:
             tenant = Tenant(
                 name=name,
                 cfg=cfg,
-                limits=_limits(cfg),
+                limits=_limits(cfg, settings.quota.lease_ttl_s),
                 cache_salt=_salt(secret, name),
                 namespace=f"tenant:{name}" if cfg.isolate_cache else "",
                 client_salt_key=_client_salt_key(secret, name),
