@@ -17,8 +17,9 @@ Leases are renewed by the store while their request runs (gateway.quota_redis); 
 done stops its renewal at once (`forget`), whether or not its settlement reached the store, so a
 deferred or dropped settlement costs its tenant the slot for at most one lease TTL.
 
-Only an outage (`QuotaStoreUnavailable`) keeps an entry waiting and counts against the breaker.
-Any other store error is the store answering that this entry cannot be applied (another app wrote
+Only an outage (`QuotaStoreUnavailable`) keeps an entry waiting and counts against the breaker,
+at admission as at settlement. Any other store error is the store answering that this entry (or
+admission) cannot be applied (another app wrote
 at one of the tenant's keys: WRONGTYPE): the breaker is shared by every tenant, so counting it
 there would refuse or degrade them all on a healthy store, and the entry would be retried for
 ever in front of the others. Such an entry is retried a few times, then dropped (logged, counted);
@@ -179,7 +180,14 @@ class QuotaGate:
             except QuotaStoreError as e:
                 # Any store failure, an outage's or not (a reply no one classified): the
                 # tenant's store-failure mode answers, never a 500 for every limited request.
-                self.breaker.record_failure(time.monotonic())
+                # Only an outage counts on the breaker that every tenant shares: a store that
+                # replied is up, and one tenant's key that another app overwrote (WRONGTYPE on
+                # every admit) opened it, so fail-closed tenants got 503 and the rest degraded
+                # limits on a healthy Redis (review). Such a reply costs no wait to repeat.
+                if isinstance(e, QuotaStoreUnavailable):
+                    self.breaker.record_failure(time.monotonic())
+                else:
+                    self.breaker.record_success(time.monotonic())
                 _log_store_failure("quota store unavailable", e)
                 # The script may have run with its reply lost (a timeout, Redis killed after
                 # the write): a full refund for this id, replayed later, frees what it may hold

@@ -127,6 +127,30 @@ async def test_a_refused_settlement_neither_trips_the_breaker_nor_stalls_the_bac
         await g.close()
 
 
+async def test_a_tenants_refused_admissions_do_not_open_the_breaker_for_everyone(
+    own_redis: RedisServer,
+) -> None:
+    # Review finding: an admission the store refused (WRONGTYPE at one tenant's key) counted on
+    # the breaker every tenant shares, so on a healthy Redis a fail-closed tenant got 503s.
+    g, _metrics = make_gate(own_redis.url)  # opens at the first failure it is told of
+    bad, hard = tenant("bad"), tenant("hard", "closed")
+    r = aioredis.from_url(own_redis.url)
+    try:
+        leases = redis_store(g).keys.leases("bad")
+        await r.set(leases, "another app's value")
+        for i in range(3):  # the poisoned tenant: its failure mode (open) answers, locally
+            t = await g.admit(bad, f"b-{i}", "m", 10)
+            assert t.store is g.degraded
+            await g.settle(t, 10)
+        assert g.breaker.state.value == "closed"
+        t = await g.admit(hard, "h-1", "m", 10)  # the store is healthy: it serves the others
+        assert t.store is g.shared
+        await g.settle(t, 10)
+    finally:
+        await r.aclose()
+        await g.close()
+
+
 async def test_a_tenants_refused_settlement_does_not_lock_it_out(own_redis: RedisServer) -> None:
     # Review finding: a wrong-typed key of one of the tenant's model limits (X) poisoned one
     # deferred settlement, and every later admission of the tenant, for any model, first replayed
