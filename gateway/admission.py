@@ -35,6 +35,10 @@ Wiring (for gateway/app.py)
       again as soon as they are used (the next loop turn), so disjoint pools lose nothing.
     * ``has_room`` must report the same room for every waiter of a tier in a pool (the kick stops
       at the first head without room): gateway/slots.py decides the priority reserve by tier.
+      A retry counts only the workers it has not tried, so retries wait in queues of their own,
+      one per model and set of tried workers (``admit(tried=...)``). A negative room means that
+      none of the workers a waiter may use serves its model any more: it is refused at once
+      (503) instead of waiting out its deadline.
     * Call ``kick(model)`` (or ``kick()``) when a request releases its worker and after each
       metrics scrape; it is cheap when nothing is queued.
     * Deadline: ``settings.deadline_s(request.headers.get(settings.deadline_header))``.
@@ -87,7 +91,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.errors import APIError
+from gateway.errors import APIError, no_capacity
 from gateway.fair_queue import Entry, FairQueue, Reason, Rejection, State, tier_of
 
 __all__ = [
@@ -171,6 +175,14 @@ class _Pool:
     queue: FairQueue
     tiers: set[int] = field(default_factory=set)
     held: bool = False  # its head had room that pending grants (any pool's) held back
+    retry: bool = False  # a queue of retries (``AdmissionController._retries``)
+
+
+def _none_left(model: str) -> APIError:
+    """A waiting retry whose untried workers have all stopped serving its model (drained,
+    removed, unhealthy) while one it tried still does: it waited out its whole deadline, then
+    read "no worker became free", and held up the retries behind it (review)."""
+    return no_capacity(f"no worker this request has not tried is serving model `{model}` now")
 
 
 _MESSAGES = {
@@ -213,11 +225,13 @@ class AdmissionController:
         self.observer: AdmissionObserver = observer or NullObserver()
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
-        # Retries waiting for room on workers they have not tried, per model: a queue of their
-        # own, since their room is not their tier's (``has_room`` must agree within a queue: a
-        # retry at the head of its model's queue held up every new request behind it while the
-        # worker it had tried sat idle). Named, observed and refused as the model's pool.
-        self._retries: dict[str, _Pool] = {}
+        # Retries waiting for room on workers they have not tried, per model and tried set:
+        # queues of their own, since their room is not their tier's (``has_room`` must agree
+        # within a queue: a retry at the head of its model's queue held up every new request
+        # behind it while the worker it had tried sat idle, and one retry waiting for a full
+        # worker held up another whose own untried worker was free). Named, observed and
+        # refused as the model's pool; a queue that empties is dropped (``_prune``).
+        self._retries: dict[str, dict[frozenset[str], _Pool]] = {}
         # Waiters handed a slot that have not resumed (so in_flight lacks them), in every pool:
         # pools share workers, so one pool's pending grant may take the slot another pool sees.
         self._granted = 0
@@ -247,20 +261,28 @@ class AdmissionController:
         has_room: Callable[[], int | bool],
         pool: str = "",
         cost: float = 1.0,
-        retry: bool = False,
+        tried: frozenset[str] = frozenset(),
     ) -> Admitted:
         """Wait for room in ``pool``; raises ``APIError`` (429/503 + Retry-After) when refused.
-        ``retry``: a retry's wait, whose ``has_room`` counts only the workers it has not tried
-        (its own queue, ``_retries``)."""
+        ``tried``: a retry's wait, whose ``has_room`` counts only the workers it has not tried
+        (a queue of its own, ``_retries``)."""
         if self._bypass:
             if self._closed is not None:
                 raise self._closed_error()
             return _FAST
-        pools = self._retries if retry else self._pools
-        p = pools.get(pool)
+        if tried:
+            pools = self._retries.get(pool)
+            if pools is None:
+                pools = self._retries[pool] = {}
+            key: str | frozenset[str] = tried
+        else:
+            pools, key = self._pools, pool  # type: ignore[assignment]
+        p = pools.get(key)  # type: ignore[call-overload]
         if (p is None or not p.queue._size) and has_room() > self._granted:
             return _FAST
-        return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost, pools)
+        return await self._wait(
+            tenant, priority, weight, deadline_s, has_room, pool, cost, pools, key
+        )
 
     async def _wait(
         self,
@@ -271,13 +293,14 @@ class AdmissionController:
         has_room: Callable[[], int | bool],
         pool: str,
         cost: float,
-        pools: dict[str, _Pool],
+        pools: dict,  # type: ignore[type-arg]
+        key: str | frozenset[str],
     ) -> Admitted:
         s = self.settings
         loop = self._loop = asyncio.get_running_loop()
-        p = pools.get(pool)
+        p = pools.get(key)
         if p is None:
-            p = pools[pool] = _Pool(pool, self._new_queue())
+            p = pools[key] = _Pool(pool, self._new_queue(), retry=isinstance(key, frozenset))
         now = self._clock()
         if deadline_s is None:
             deadline_s = s.default_deadline_s
@@ -299,6 +322,7 @@ class AdmissionController:
             self.observer.refused(
                 pool, e.tier, pushed.rejected.reason.value, pushed.rejected.status
             )
+            self._prune(p)
             raise self._error(pushed.rejected, e)
         p.tiers.add(e.tier)
         self._kick_pool(p, now)
@@ -309,6 +333,8 @@ class AdmissionController:
         except asyncio.CancelledError:
             self._abandon(p, e, fut)
             raise
+        finally:
+            self._prune(p)
         # This task now dispatches synchronously (in_flight grows); then the next may go.
         self._grant_done(p)
         return admitted
@@ -322,6 +348,19 @@ class AdmissionController:
             # exception was retrieved by the check, so asyncio does not log it as lost.)
             self.observer.cancelled(p.name, e.tier, e.wait_s)
             self._grant_done(p)
+
+    def _prune(self, p: _Pool) -> None:
+        """Drop an emptied retry queue: one is made per set of tried workers, and kept they
+        would pile up (every re-check walks them all). A grant it holds keeps it in ``_held``
+        until used; a later retry with the same set makes a new one."""
+        if p.retry and not p.queue._size and not p.held:
+            by_tried = self._retries.get(p.name)
+            if by_tried is not None:
+                for k, q in list(by_tried.items()):
+                    if q is p:
+                        del by_tried[k]
+                if not by_tried:
+                    del self._retries[p.name]
 
     def _grant_done(self, p: _Pool) -> None:
         """A grant was used (in_flight has it now) or given back: the room it held is either
@@ -342,6 +381,8 @@ class AdmissionController:
             p.held = False
         for p in self._by_priority(held):
             self._kick_pool(p)
+        for p in held:
+            self._prune(p)
 
     # -- releasing waiters -----------------------------------------------------------------------
     def kick(self, pool: str | Collection[str] | None = None) -> None:
@@ -349,8 +390,8 @@ class AdmissionController:
         ``pool``, in several (the models one worker serves) or in all."""
         if isinstance(pool, str):
             r = self._retries.get(pool) if self._retries else None
-            if r is not None and r.queue._size:
-                for p in self._by_priority((r, self._pools.get(pool))):
+            if r:
+                for p in self._by_priority((*r.values(), self._pools.get(pool))):
                     self._kick_pool(p)
                 return
             p = self._pools.get(pool)
@@ -361,7 +402,10 @@ class AdmissionController:
             pools: Iterable[_Pool | None] = self._all()
         else:
             names = list(pool)
-            pools = [*map(self._retries.get, names), *map(self._pools.get, names)]
+            pools = [
+                *(q for n in names for q in self._retries.get(n, {}).values()),
+                *map(self._pools.get, names),
+            ]
         for p in self._by_priority(pools):
             self._kick_pool(p)
 
@@ -370,11 +414,12 @@ class AdmissionController:
         the room of a worker it has not tried ahead of new requests (kicked after, they had it
         every time, and under steady load a retry waited out its deadline). The sort by tier
         (`_by_priority`) is stable."""
-        return [*self._retries.values(), *self._pools.values()]
+        return [*(q for r in self._retries.values() for q in r.values()), *self._pools.values()]
 
     def _named(self, pool: str) -> list[_Pool]:
         """The queues of one model: its own and its retries'."""
-        return [p for p in (self._pools.get(pool), self._retries.get(pool)) if p is not None]
+        own = self._pools.get(pool)
+        return [*([own] if own is not None else []), *self._retries.get(pool, {}).values()]
 
     @staticmethod
     def _by_priority(pools: Iterable[_Pool | None]) -> list[_Pool]:
@@ -406,6 +451,11 @@ class AdmissionController:
             except Exception:  # no room: the waiter expires with a 503 instead of leaking a slot
                 log.exception("admission has_room predicate failed")
                 break
+            if room < 0:  # none of the workers it may use serves the model now: refused
+                q.remove(e, now)
+                fut.set_exception(_none_left(p.name))
+                self.observer.refused(p.name, e.tier, "no_capacity", 503)
+                continue
             if room <= self._granted:
                 if room and not p.held:  # room, but pending grants may take it: look again
                     p.held = True
@@ -576,6 +626,7 @@ class AdmissionController:
         n = 0
         for p in self._named(pool):
             entries = p.queue.drain(0.0, self._clock()) if p.queue._size else []
+            self._prune(p)
             for e in entries:
                 err = error()
                 fut = e.payload[0]

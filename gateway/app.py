@@ -92,6 +92,7 @@ log = logging.getLogger("kvgate.gateway")
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
 # Matched whole (`fullmatch`): `$` also matches before a trailing newline.
 _RID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_UNTRIED: frozenset[str] = frozenset()  # a first attempt's tried set (no allocation)
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
 # The load a record counts for requests still running on it (dispatched, prefill queued, KV on
 # its way): what a worker re-added at its address takes over from its retired record.
@@ -559,6 +560,8 @@ class Gateway:
         for model in models:
             if not self.registry.serving(model):
                 self.admission.fail_pool(model, functools.partial(self._unserved, model))
+            else:  # retries left with no untried worker that serves it are refused (`kick`)
+                self.admission.kick(model)
 
     def drain_worker(self, name: str, draining: bool) -> bool:
         """Drain a worker (no new requests; in-flight ones finish) or readmit it: requests queued
@@ -937,7 +940,7 @@ class Gateway:
             deadline_s=deadline_s,
             has_room=functools.partial(self.slots.free, model, tenant.priority, tried),
             pool=model,
-            retry=bool(tried),
+            tried=frozenset(tried) if tried else _UNTRIED,
         )
 
     async def _wait_room(self, call: Call, tried: Collection[str], deadline: float) -> None:

@@ -103,13 +103,18 @@ class Slots:
         """Free slots for ``model`` that a request of ``priority`` may take (the reserve is
         kept for the latency-sensitive tiers). The same for every priority of one admission
         tier, so the queue never finds room for one waiter of a tier and none for another.
-        A retry's count leaves out the workers it ``tried``: their room is no use to it."""
+        A retry's count leaves out the workers it ``tried``: their room is no use to it; -1 when
+        none of the others serves ``model`` (admission refuses it: no wait can help)."""
         free = total = 0
         room = self.worker_room
+        untried = not tried
         for w in self.registry.candidates(model):
             total += w.spec.max_concurrency or self.worker_concurrency
             if not tried or w.name not in tried:
                 free += room(w)
+                untried = True
+        if not untried:
+            return -1
         if self.reserve_tier and tier_of(priority, self.priority_levels) < self.reserve_tier:
             # Headroom, not a quota: the last free slots stay free for the high tiers whatever
             # they already run. Withholding only the part of the reserve they leave unused was

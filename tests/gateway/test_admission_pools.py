@@ -297,3 +297,74 @@ def test_a_full_canary_pool_yields_to_room_outside_it() -> None:
     assert gw.slots.eligible(MODEL, set(), in_canary) == [stable]  # full: room elsewhere
     stable.in_flight = 1
     assert gw.slots.eligible(MODEL, set(), in_canary) == [canary]  # all full: the pool still
+
+
+# -- retries: one queue per model and set of tried workers -----------------------------------------
+
+
+async def test_a_retry_is_not_held_up_by_another_retry_waiting_for_a_full_worker() -> None:
+    # Review finding: every retry of a model shared one queue whose kick stopped at the head; a
+    # retry waiting for full worker B held up one behind it whose own untried worker A was free.
+    ac = AdmissionController(AdmissionSettings(default_deadline_s=10, recheck_s=10))
+    room = {"A": 0, "B": 0}
+    x = asyncio.create_task(
+        ac.admit(
+            tenant="t", priority=0.5, has_room=lambda: room["B"], pool="m", tried=frozenset("A")
+        )
+    )
+    await _turns()
+    y = asyncio.create_task(
+        ac.admit(
+            tenant="t", priority=0.5, has_room=lambda: room["A"], pool="m", tried=frozenset("B")
+        )
+    )
+    await _turns()
+    assert ac.queued() == 2
+    room["A"] = 1
+    ac.kick("m")  # what a request finishing on A does
+    await _turns()
+    assert y.done() and y.result().queued
+    assert not x.done()  # B is still full
+    room["B"] = 1
+    ac.kick("m")
+    await _turns()
+    assert x.done()
+    assert ac._retries == {}  # emptied retry queues are dropped, not kept per tried set
+
+
+async def test_a_retry_with_no_untried_worker_left_is_refused_at_once() -> None:
+    # Review finding: a retry whose untried workers all stopped serving its model (drained,
+    # removed, unhealthy) while one it tried still did waited out its whole deadline.
+    gw, w = _one_worker_two_models(1)
+    w.in_flight = 1
+    retry = asyncio.create_task(
+        gw.admission.admit(
+            tenant="t",
+            priority=0.5,
+            deadline_s=30.0,
+            has_room=functools.partial(gw.slots.free, MODEL, 0.5, frozenset({"other"})),
+            pool=MODEL,
+            tried=frozenset({"other"}),
+        )
+    )
+    await _turns()
+    assert gw.admission.queued() == 1  # it has one untried worker: it waits for its room
+    left_out = functools.partial(gw.slots.free, MODEL, 0.5, frozenset({w.name}))
+    assert left_out() == -1  # the only worker is one it tried
+    gone = asyncio.create_task(
+        gw.admission.admit(
+            tenant="t",
+            priority=0.5,
+            deadline_s=30.0,
+            has_room=left_out,
+            pool=MODEL,
+            tried=frozenset({w.name}),
+        )
+    )
+    await _turns()
+    assert gone.done()
+    with pytest.raises(APIError) as e:
+        gone.result()
+    assert e.value.status == 503 and "has not tried" in e.value.message
+    assert gw.admission.queued() == 1 and not retry.done()
+    retry.cancel()

@@ -228,3 +228,21 @@ async def test_a_waiting_retry_takes_a_freed_slot_ahead_of_new_requests() -> Non
             assert (await fresh).status_code == 200
             held["hold2"].set()
             assert (await second).status_code == 200
+
+
+async def test_a_retry_whose_last_untried_worker_is_drained_is_answered_at_once() -> None:
+    # Review finding: the retry waited for room on the one worker it had not tried; that worker
+    # was drained while the one it had tried still served, so nothing could admit it, and it
+    # waited out its whole deadline, then read "no worker became free".
+    release = asyncio.Event()
+    async with _two_workers(release, default_deadline_s=25) as (g, c, url, held):
+        reg = g.gw.registry
+        busy = next(n for n, w in reg.workers.items() if w.in_flight == 1)
+        poison = asyncio.create_task(c.post(url, json=_body("poison")))
+        await until(lambda: g.gw.admission.queued() == 1, 10, "the retry waits for room")
+        assert g.gw.drain_worker(busy, True)
+        done, _ = await asyncio.wait([poison], timeout=20)
+        assert done, "the retry waited for a drained worker"
+        r = poison.result()
+        assert r.status_code == 503 and "has not tried" in r.text, r.text
+        assert g.gw.admission.queued() == 0
