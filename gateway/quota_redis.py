@@ -197,12 +197,13 @@ SETTLE_LUA = (
     + """
 local now = now_us()
 redis.call('ZREM', KEYS[2], ARGV[1])
-local rec = redis.call('HMGET', KEYS[1], 'state', 'tokens', 'model')
+local rec = redis.call('HMGET', KEYS[1], 'state', 'tokens', 'model', 'restored')
 if not rec[1] then return {'unknown', 0} end
 local reserved = tonumber(rec[2])
 if rec[1] ~= 'open' then return {'duplicate', reserved} end
 local actual = tonumber(ARGV[2])
-local refund = ARGV[3] == '1'
+-- A restored record (RENEW_LUA) holds nothing: its request cell was lost with the data.
+local refund = ARGV[3] == '1' and not rec[4]
 local spec = {}
 for x in string.gmatch(ARGV[5], '%S+') do spec[#spec + 1] = x end
 for i = 1, #KEYS - 2 do
@@ -249,22 +250,33 @@ return out
 
 # Renews the leases one process holds for one tenant.
 # KEYS: leases, then the reservation record of each request.   ARGV: leases key TTL (ms), record
-# TTL (ms), then the request ids (in KEYS order).
+# TTL (ms), then the request ids (in KEYS order), then each one's model (same order).
 # A request whose record is still open is live (its settle has not run: settle and release close
 # the record and drop the lease in one script): its lease is scored now (re-added if it was pruned
 # meanwhile, after an outage or a stall longer than the TTL: the request still runs) and its record
-# kept for RECORD_GRACE_S more. Returns the 1-based positions of the ids with no open record
-# (settled, or lost with the server's data), which the caller stops renewing.
+# kept for RECORD_GRACE_S more. A request with no record at all is live too: the server lost its
+# data (a restart without persistence, a failover to a replica behind, an eviction) while this
+# process still runs it. Forgotten, it stopped counting toward max_concurrent (the tenant ran
+# past its cap) and its settle found nothing to charge; its lease and record are restored, the
+# record holding nothing (the lost buckets hold no reservation), so the settle charges what it
+# used. Returns the 1-based positions of the ids whose record is closed (settled), which the
+# caller stops renewing.
 RENEW_LUA = (
     _PRELUDE
     + """
 local now = fmt(now_us())
 local record_ttl = tonumber(ARGV[2])
+local n = #KEYS - 1
 local gone = {}
 local live = 0
 for i = 2, #KEYS do
   local rid = ARGV[i + 1]
-  if redis.call('HGET', KEYS[i], 'state') == 'open' then
+  local state = redis.call('HGET', KEYS[i], 'state')
+  if state == 'open' or not state then
+    if not state then
+      redis.call('HSET', KEYS[i], 'state', 'open', 'tokens', 0, 'model', ARGV[n + i + 1],
+        'restored', 1)
+    end
     redis.call('ZADD', KEYS[1], now, rid)
     redis.call('PEXPIRE', KEYS[i], record_ttl)
     live = live + 1
@@ -339,7 +351,7 @@ class _Held:
     """The leases this process holds for one tenant (ordered set of request ids)."""
 
     lease_ttl_s: float
-    rids: dict[str, None] = field(default_factory=dict)
+    rids: dict[str, str] = field(default_factory=dict)  # request id -> its model
 
 
 class RedisQuotaStore:
@@ -467,7 +479,7 @@ class RedisQuotaStore:
         if adm.allowed != bool(allowed):
             raise QuotaStoreError(f"admit script and builder disagree: {out!r}")
         if adm.allowed:  # a new lease, or an open one whose first reply was lost: ours to renew
-            self._hold(res.tenant, res.request_id, lim.lease_ttl_s)
+            self._hold(res.tenant, res.request_id, res.model, lim.lease_ttl_s)
         return adm
 
     async def _finish(
@@ -531,12 +543,12 @@ class RedisQuotaStore:
         """Leases this process holds and renews (admitted, not yet settled or forgotten)."""
         return sum(len(h.rids) for h in self._held.values())
 
-    def _hold(self, tenant: str, request_id: str, lease_ttl_s: float) -> None:
+    def _hold(self, tenant: str, request_id: str, model: str, lease_ttl_s: float) -> None:
         held = self._held.get(tenant)
         if held is None:
             held = self._held[tenant] = _Held(lease_ttl_s)
         held.lease_ttl_s = lease_ttl_s  # the latest limits win (a reload may change them)
-        held.rids[request_id] = None
+        held.rids[request_id] = model
         task = self._renewer
         loop = asyncio.get_running_loop()
         if task is None or task.done() or task.get_loop() is not loop:
@@ -589,9 +601,9 @@ class RedisQuotaStore:
         end): every other call would wait out its timeout too. Another store error (one tenant's
         key clobbered: WRONGTYPE) skips that call and is raised once the pass is done.
         """
-        jobs: list[tuple[str, float, list[str]]] = []
+        jobs: list[tuple[str, float, list[tuple[str, str]]]] = []
         for tenant, held in self._held.items():
-            rids = list(held.rids)
+            rids = list(held.rids.items())
             for i in range(0, len(rids), RENEW_CHUNK):
                 jobs.append((tenant, held.lease_ttl_s, rids[i : i + RENEW_CHUNK]))
         error: QuotaStoreError | None = None
@@ -608,11 +620,23 @@ class RedisQuotaStore:
         if error is not None:
             raise error
 
-    async def _renew(self, tenant: str, lease_ttl_s: float, rids: list[str]) -> None:
+    async def _renew(self, tenant: str, lease_ttl_s: float, held: list[tuple[str, str]]) -> None:
+        # Only those still held: a request settled since the pass began has no record to restore
+        # (one whose record was lost with the data would come back, lease and all, for a TTL).
+        still = self._held.get(tenant)
+        held = [(r, m) for r, m in held if still is not None and r in still.rids]
+        if not held:
+            return
+        rids = [r for r, _m in held]
         keys = [self.keys.leases(tenant), *(self.keys.reservation(tenant, r) for r in rids)]
-        args: list[Any] = [_lease_key_ttl_ms(lease_ttl_s), _record_ttl_ms(lease_ttl_s), *rids]
+        args: list[Any] = [
+            _lease_key_ttl_ms(lease_ttl_s),
+            _record_ttl_ms(lease_ttl_s),
+            *rids,
+            *(m for _r, m in held),
+        ]
         gone = _s(await self._run(_RENEW, keys, args)).split()
-        for i in gone:  # settled (another path got there first) or lost with Redis's data
+        for i in gone:  # settled: another path got there first
             self.forget(tenant, rids[int(i) - 1])
 
     async def close(self) -> None:

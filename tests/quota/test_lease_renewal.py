@@ -278,3 +278,40 @@ async def test_a_deferred_settlement_stops_the_renewal_and_an_outage_is_logged_o
     finally:
         await g.close()
     assert shared._renewer is None
+
+
+# -- 4. the server lost its data ----------------------------------------------------------------
+
+
+async def test_running_requests_count_again_after_redis_lost_its_data(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    # Review finding: after a restart without persistence (or a failover to a replica behind)
+    # the renewal found no record for the requests still running, stopped renewing them, and
+    # the tenant ran past max_concurrent; their settles found nothing and charged nothing.
+    lim = TenantLimits(tpm=60_000, max_concurrent=2)
+    st = store_at(redis_server.url, prefix, renew_s=3600.0)  # renewed by hand below
+    try:
+        assert (await st.admit(rq(lim, "r1", 600))).allowed
+        assert (await st.admit(rq(lim, "r2", 600))).allowed
+        await st.client.flushdb()  # the data is gone; r1 and r2 still run here
+        await st.renew_leases()
+        assert st.held_leases == 2
+        assert not (await st.admit(rq(lim, "n1"))).allowed  # both slots are taken again
+        full = (await st.usage("acme", lim))["tokens"]["remaining"]
+        done = await st.settle("acme", "r1", 250, limits=lim)
+        assert done.status == "settled"  # the lost reservation held nothing: charged its use
+        left = (await st.usage("acme", lim))["tokens"]["remaining"]
+        assert full - left == pytest.approx(250, abs=5)
+        released = await st.release("acme", "r2", limits=lim, refund_all=True)
+        assert released.status == "settled"
+        assert (await st.usage("acme", lim))["in_flight"] == 0
+        # A renewal pass that read its ids before a settle does not bring that request back.
+        assert (await st.admit(rq(lim, "r3", 10))).allowed
+        pass_ids = list(st._held["acme"].rids.items())
+        await st.client.flushdb()
+        assert (await st.settle("acme", "r3", 5, limits=lim)).status == "unknown"
+        await st._renew("acme", lim.lease_ttl_s, pass_ids)
+        assert (await st.usage("acme", lim))["in_flight"] == 0
+    finally:
+        await st.close()
