@@ -18,6 +18,7 @@ Wiring (for gateway/app.py)
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from gateway.desired_workers import SIGNALS, DesiredWorkers, ModelLoad, WorkerLo
 if TYPE_CHECKING:
     from gateway.admission import AdmissionController
     from workers.registry import Registry
+    from workers.worker import Worker
 
 __all__ = ["AutoscaleCollector", "fleet_loads"]
 
@@ -39,33 +41,32 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
     """The snapshot ``AutoscaleCollector`` needs, from the gateway's live objects.
 
     Models come from every worker (healthy or not, so a model whose workers are all down still
-    reports N = 0 and asks for capacity) and from every admission pool. ``fleet`` counts the
-    workers that serve the model in any health state, draining ones left out (the operator is
-    taking them away): before its first scale-in the desired count does not go below it, so a
-    gateway that restarts while workers are down or still loading does not ask the autoscaler to
-    remove them; and with none of them healthy the model is down, not idle (no step in).
+    reports N = 0 and asks for capacity) and from every admission pool; a model in neither (a
+    reload removed its last worker) is left out, and ``DesiredWorkers.evaluate`` exports nothing
+    for it. ``fleet`` counts the workers that serve the model in any health state, draining ones
+    left out (the operator is taking them away): before its first scale-in the desired count
+    does not go below it, so a gateway that restarts while workers are down or still loading
+    does not ask the autoscaler to remove them; and with none of them healthy the model is down,
+    not idle (no step in).
 
     A worker that has not yet answered a probe with its models (still loading, down since the
-    gateway started, a new URL) lists none; it counts toward ``fleet`` of every model that all
-    the workers that have answered (draining ones aside) list, until it answers itself: in a
-    fleet of one model, that model (review: a gateway restarted while 2 of 3 workers were still
-    loading said desired = 1). In a fleet of several models, one it cannot be told apart from,
-    it counts for none. There is no grace period: a vLLM load can take many minutes, and the
-    floor it holds ends anyway at the model's first scale-in step, after a calm cooldown.
+    gateway started, a new URL) lists none. Until it answers, it counts toward ``fleet`` of the
+    models its peers serve (``_assumed_models``): the answering workers configured with the same
+    labels, else every answering worker (draining ones aside, in both). In a fleet of one model,
+    that model (review: a gateway restarted while 2 of 3 workers were still loading said
+    desired = 1). In a fleet of several models, the model of the workers labelled alike
+    (review: 3 llama and 2 qwen workers, one of each answered, said 1 and 1); with no labels to
+    tell its workers apart, none. There is no grace period: a vLLM load can take many minutes,
+    and the floor it holds ends anyway at the model's first scale-in step, after a calm cooldown.
     """
     models: set[str] = set(admission.pools())
-    answered: list[frozenset[str]] = []
-    unprobed = 0
+    answered: list[Worker] = []
+    unprobed: list[Worker] = []
     for w in registry.workers.values():
         models.update(w.models)
-        if w.draining:
-            continue
-        if w.models:
-            answered.append(w.models)
-        else:
-            unprobed += 1
-    # Models every answering worker lists: where an unanswered one is assumed to serve too.
-    common = frozenset.intersection(*answered) if answered and unprobed else frozenset()
+        if not w.draining:
+            (answered if w.models else unprobed).append(w)
+    assumed = _assumed_models(answered, unprobed)
     out: dict[str, ModelLoad] = {}
     for model in models:
         workers = tuple(
@@ -77,11 +78,35 @@ def fleet_loads(registry: Registry, admission: AdmissionController) -> dict[str,
             )
             for w in registry.candidates(model)
         )
-        fleet = sum(1 for w in registry.workers.values() if model in w.models and not w.draining)
-        if model in common:
-            fleet += unprobed
+        fleet = sum(1 for w in answered if model in w.models) + assumed.get(model, 0)
         out[model] = ModelLoad(workers, sum(admission.depth_by_tier(model).values()), fleet)
     return out
+
+
+def _assumed_models(answered: list[Worker], unprobed: list[Worker]) -> Counter[str]:
+    """Model -> workers that have not answered yet and are assumed to serve it (``fleet_loads``).
+
+    Workers with the same labels in the config are taken as replicas of one deployment, the
+    only thing the config says of what a worker serves: an unanswered one is assumed to serve
+    what every answering worker with its labels lists (a base model and its LoRA adapters: what
+    they all list). With none of those, what every answering worker lists, as before labels
+    counted: the fleet's model if it serves one, nothing if several. The assumption is never
+    wider than what the answering peers agree on, and never narrower than the fleet-wide one."""
+    out: Counter[str] = Counter()
+    if not unprobed or not answered:
+        return out
+    everyone = frozenset.intersection(*(w.models for w in answered))
+    by_labels: dict[tuple[tuple[str, str], ...], frozenset[str]] = {}
+    for w in answered:
+        key = _labels(w)
+        by_labels[key] = by_labels[key] & w.models if key in by_labels else w.models
+    for w in unprobed:
+        out.update(by_labels.get(_labels(w), everyone))
+    return out
+
+
+def _labels(w: Worker) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(w.spec.labels.items()))
 
 
 # -- prometheus ------------------------------------------------------------------------------------

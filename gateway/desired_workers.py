@@ -326,23 +326,24 @@ class DesiredWorkers:
 
     # -- evaluation (scrape time) ----------------------------------------------------------------
     def evaluate(self, loads: Mapping[str, ModelLoad], now: float | None = None) -> list[Signals]:
-        """Signals for every model in ``loads`` and every other model still holding samples or
-        requests in flight; models with neither are forgotten."""
+        """Signals for every model in ``loads``, and for no other.
+
+        ``loads`` holds the models the gateway serves or queues for now (``fleet_loads``): one
+        that is not there left the fleet (a reload removed its last worker, which then stopped
+        listing it), and its series go at once. Before, it was evaluated as long as it held
+        samples or requests in flight (the p95 window; a stream still running on the removed
+        worker, up to ``in_flight_max_age_s``) and kept asking for its last ``desired``, its
+        scale-in held off by the tokens of that stream. Its state is kept while it holds
+        either, unevaluated, so a model back within the window (its only worker moved to a new
+        URL, then answered) goes on where it was, and forgotten after."""
         if now is None:
             now = self.clock()
-        out: list[Signals] = []
-        for model in sorted(set(loads) | set(self._models)):
-            load = loads.get(model)
-            st = self._models.get(model)
-            if load is None:
-                assert st is not None
-                self._sweep(st, now)
-                if not st.leases and not st.ttft.count(now) and not st.wait.count(now):
-                    del self._models[model]
-                    continue
-                load = ModelLoad()
-            out.append(self._evaluate(model, self._state(model), load, now))
-        return out
+        for model in [m for m in self._models if m not in loads]:
+            st = self._models[model]
+            self._sweep(st, now)
+            if not st.leases and not st.ttft.count(now) and not st.wait.count(now):
+                del self._models[model]
+        return [self._evaluate(m, self._state(m), loads[m], now) for m in sorted(loads)]
 
     def _sweep(self, st: _ModelState, now: float) -> None:
         horizon = now - self.settings.in_flight_max_age_s

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -121,6 +121,23 @@ class BatchedGauge:
             self._delta = 0.0
 
 
+class _Discarded:
+    """What ``GatewayMetrics.child`` hands out for a series of a worker that is gone: takes every
+    update (counter, gauge, histogram) and exports nothing."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    dec = set = observe = inc
+
+
+_DISCARDED = _Discarded()
+# The `worker` label of a request no worker had (refused, or failed before one took it).
+NO_WORKER = "-"
+
+
 if TYPE_CHECKING:
     from gateway.admission import AdmissionController
     from workers.kv_intake import KVEventFleet
@@ -155,6 +172,8 @@ class GatewayMetrics:
         self._batched: dict[tuple[int, tuple[str, ...]], BatchedHistogram] = {}
         self._deferred: list[BatchedCounter | BatchedGauge] = []  # batched children of child()
         self._pending_tenants: set[str] = set()  # removed, series dropped once settled
+        # The fleet's worker names (the gateway wires its registry's `workers`); None = any.
+        self.worker_names: Container[str] | None = None
         r = self.registry = CollectorRegistry(auto_describe=True)
         r.register(_FlushFirst(self))
         self.requests = Counter(
@@ -341,14 +360,24 @@ class GatewayMetrics:
             "Config reloads rejected (running config kept)",
             registry=r,
         )
+        # id(metric) -> the index of its `worker` label, for metrics that have one.
+        self._worker_label = {id(metric): i for metric, i in self._labelled("worker")}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """A labelled child, cached: `labels()` costs microseconds per call on the hot path.
         A counter's or gauge's is batched (`BatchedCounter`, `BatchedGauge`): exact whenever
-        the registry is collected, which is how everything reads it."""
+        the registry is collected, which is how everything reads it.
+
+        A series of a worker no longer in ``worker_names`` is not created: a request that ends
+        on a worker a reload removed (its stream outlived it) would bring back the series
+        `forget_worker` dropped, for good. Checked only where the cache has no child, which is
+        the case for every series of a forgotten worker (`_forget` dropped them): one dict
+        lookup and one membership test there, nothing on the cached path."""
         key = (id(metric), labels)
         c = self._children.get(key)
         if c is None:
+            if self._gone(metric, labels):
+                return _DISCARDED
             c = metric.labels(*labels)
             if isinstance(metric, Counter):
                 c = BatchedCounter(c)
@@ -374,8 +403,20 @@ class GatewayMetrics:
         for c in self._deferred:
             c.flush()
 
+    def _gone(self, metric: Any, labels: tuple[str, ...]) -> bool:
+        """``labels`` name, as their `worker`, a worker not in the fleet (``worker_names``)."""
+        i = self._worker_label.get(id(metric))
+        names = self.worker_names
+        if i is None or names is None:
+            return False
+        name = labels[i]
+        return name != NO_WORKER and name not in names
+
     def export_health(self, name: str, health: Health) -> None:
-        """A worker's health as `kvgate_worker_up` and one-hot `kvgate_worker_state`."""
+        """A worker's health as `kvgate_worker_up` and one-hot `kvgate_worker_state` (nothing for
+        a worker no longer in ``worker_names``: see `child`)."""
+        if self.worker_names is not None and name not in self.worker_names:
+            return
         self.worker_up.labels(name).set(1 if health is Health.HEALTHY else 0)
         for h in Health:
             self.worker_state.labels(name, h.value).set(1 if health is h else 0)
