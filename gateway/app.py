@@ -135,6 +135,7 @@ class Gateway:
             on_change=self._on_health_change,
         )
         self.metrics.worker_names = self.registry.workers  # removed workers' series stay gone
+        self.metrics.model_known = self.registry.knows_model  # and removed models' series
         self.routing_options = RoutingOptions(**settings.routing.options)
         self._media_bytes = self._media_charge(settings)
         self.precise = precise_index(settings.routing.kv_events)

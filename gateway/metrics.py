@@ -174,6 +174,8 @@ class GatewayMetrics:
         self._pending_tenants: set[str] = set()  # removed, series dropped once settled
         # The fleet's worker names (the gateway wires its registry's `workers`); None = any.
         self.worker_names: Container[str] | None = None
+        # Whether some worker lists a model (the gateway wires `Registry.knows_model`); None = any.
+        self.model_known: Callable[[str], bool] | None = None
         r = self.registry = CollectorRegistry(auto_describe=True)
         r.register(_FlushFirst(self))
         self.requests = Counter(
@@ -362,6 +364,7 @@ class GatewayMetrics:
         )
         # id(metric) -> the index of its `worker` label, for metrics that have one.
         self._worker_label = {id(metric): i for metric, i in self._labelled("worker")}
+        self._model_label = {id(metric): i for metric, i in self._labelled("model")}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """A labelled child, cached: `labels()` costs microseconds per call on the hot path.
@@ -394,6 +397,8 @@ class GatewayMetrics:
         key = (id(metric), labels)
         b = self._batched.get(key)
         if b is None:
+            if self._gone(metric, labels):
+                return _DISCARDED  # type: ignore[return-value]
             b = self._batched[key] = BatchedHistogram(metric.labels(*labels) if labels else metric)
         return b
 
@@ -404,13 +409,20 @@ class GatewayMetrics:
             c.flush()
 
     def _gone(self, metric: Any, labels: tuple[str, ...]) -> bool:
-        """``labels`` name, as their `worker`, a worker not in the fleet (``worker_names``)."""
-        i = self._worker_label.get(id(metric))
+        """``labels`` name, as their `worker`, a worker not in the fleet (``worker_names``), or
+        as their `model`, one no worker lists (``model_known``): a request that ends after a
+        reload removed its model's last worker brought back the series `forget_model` dropped
+        (ttft, tpot, e2e, requests), until the next reload. Cache misses only."""
+        mid = id(metric)
+        i = self._worker_label.get(mid)
         names = self.worker_names
-        if i is None or names is None:
-            return False
-        name = labels[i]
-        return name != NO_WORKER and name not in names
+        if i is not None and names is not None:
+            name = labels[i]
+            if name != NO_WORKER and name not in names:
+                return True
+        j = self._model_label.get(mid)
+        known = self.model_known
+        return j is not None and known is not None and not known(labels[j])
 
     def export_health(self, name: str, health: Health) -> None:
         """A worker's health as `kvgate_worker_up` and one-hot `kvgate_worker_state` (nothing for

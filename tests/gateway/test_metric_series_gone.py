@@ -1,5 +1,5 @@
 """Series of what a reload removed stay gone: the autoscale series of a model nobody serves any
-more, and the series of a worker whose last stream finished after it was removed.
+more, and the series of a worker (or a model) whose last stream finished after it was removed.
 
 `metrics._forget` drops the series of workers, models and tenants that left (test_metrics_churn).
 Two ways around it: the ``kvgate_autoscale_*`` series come from ``DesiredWorkers``, which kept
@@ -128,6 +128,33 @@ def test_a_worker_that_is_gone_gets_no_series_back() -> None:
     fleet.add("pod-1")
     m.child(m.requests, "a", "pod-1", "200").inc()
     assert got("kvgate_requests_total", {"model": "a", "worker": "pod-1", "status": "200"}) == 1
+
+
+def test_a_model_that_is_gone_gets_no_series_back() -> None:
+    # The same for a model: a stream ending after a reload removed its model's last worker
+    # brought back its requests, ttft, tpot and e2e series until the next reload.
+    m = GatewayMetrics()
+    listed = {"a", "b"}
+    m.model_known = listed.__contains__  # what the gateway wires: Registry.knows_model
+    _fill(m, "pod-1", "a", "t1")
+    _fill(m, "pod-2", "b", "t1")
+    listed.discard("a")
+    m.forget_model("a")
+    m.child(m.requests, "a", "-", "200").inc()
+    m.batched(m.e2e, "a").observe(1.0)
+    m.batched(m.ttft, "a", "default").observe(0.1)
+    m.batched(m.inter_event, "a").observe(0.01)
+    m.flush()
+    assert _series(m, "model", "a") == []
+    count = m.registry.get_sample_value
+    before = count("kvgate_e2e_request_seconds_count", {"model": "b"})
+    m.batched(m.e2e, "b").observe(1.0)  # a model still listed counts as before
+    m.flush()
+    assert count("kvgate_e2e_request_seconds_count", {"model": "b"}) == before + 1
+    listed.add("a")  # listed again: its series start from nothing
+    m.batched(m.e2e, "a").observe(1.0)
+    m.flush()
+    assert count("kvgate_e2e_request_seconds_count", {"model": "a"}) == 1
 
 
 def held_stream(release: asyncio.Event, started: asyncio.Event) -> object:
