@@ -9,8 +9,12 @@ httpx (its API serves probes, admin and bench) stay selectable as fallbacks.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Protocol
+from contextvars import ContextVar
+from typing import Any, Protocol
 
 import aiohttp
 import httpx
@@ -68,18 +72,22 @@ class UpstreamClient(Protocol):
 
 # -- aiohttp -----------------------------------------------------------------------------------
 class _AiohttpResponse:
-    __slots__ = ("_r", "headers", "status")
+    __slots__ = ("_pool", "_r", "_settled", "headers", "status")
 
-    def __init__(self, r: aiohttp.ClientResponse) -> None:
+    def __init__(self, r: aiohttp.ClientResponse, pool: AiohttpUpstream) -> None:
         self._r = r
+        self._pool = pool
+        self._settled = False  # released or aborted: the pool slot is given back
         self.status = r.status
         self.headers = r.headers
 
     async def read(self) -> bytes:
         try:
-            return await self._r.read()
+            body = await self._r.read()
         except aiohttp.ClientError as e:
             raise UpstreamStreamError(str(e) or type(e).__name__) from e
+        await self.release()  # aiohttp has released the connection at the body's end
+        return body
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._r.content
@@ -94,32 +102,122 @@ class _AiohttpResponse:
 
     async def abort(self) -> None:
         self._r.close()
+        self._settle()
 
     async def release(self) -> None:
         self._r.release()
+        self._settle()
+
+    def _settle(self) -> None:
+        """The slot back to the pool, once (callers release after a read, which releases)."""
+        if not self._settled:
+            self._settled = True
+            self._pool._give_slot()
 
 
 def _connect_timeout(connect_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=connect_s)
 
 
+class _Attempt:
+    """One request's trip through `_Connector.connect`: was its connection a pooled one?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+# The attempt of the request this task is sending (`AiohttpUpstream._send`): aiohttp awaits the
+# connector's `connect` inline, in the task that awaits `session.post`, so it sees it.
+_ATTEMPT: ContextVar[_Attempt | None] = ContextVar("kvgate_aiohttp_attempt", default=None)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, telling the request whether the connection it hands out carried a
+    request before (came from the pool) or is new: aiohttp says so only to trace hooks
+    (`on_connection_reuseconn`), which, once configured, cost every request a signal send at
+    each of its steps. A connection that was handed out before is one `_served` holds (weakly:
+    it goes when aiohttp drops the connection)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._served: weakref.WeakSet[object] = weakref.WeakSet()
+
+    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            attempt.reused = proto in self._served
+        if proto is not None:
+            self._served.add(proto)
+        return conn
+
+
+# Failures of a pooled connection the worker closed before a byte of answer: EOF
+# (ServerDisconnectedError), a reset or a write to it once closed (ClientOSError,
+# ClientConnectionResetError). Connect errors (ClientConnectorError) are never a pooled one's.
+_STALE = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    aiohttp.ClientConnectionResetError,
+)
+
+
+def _stale(e: BaseException) -> bool:
+    """``e`` (from a pooled connection) says nothing of the answer came: an EOF that cut a head
+    short carries the partial head as its message (a string only when no byte came)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return isinstance(e.message, str)
+    return True
+
+
 class AiohttpUpstream:
-    """Known gap (https workers, and `upstream.client = "aiohttp"`): aiohttp's ``connect``
-    timeout includes the wait for a free pool slot, so a pool full of busy streams fails the
-    waiting requests as connect timeouts, blamed on a worker that never saw them; the h1 client
-    answers that wait with `UpstreamPoolFull` (a 503, no blame). Nor does aiohttp reconnect when
-    a pooled connection turns out stale (the h1 client's `_resend`)."""
+    """https workers (`H1Upstream` hands them here), and `upstream.client = "aiohttp"`. At
+    parity with the h1 client on its pool's two edges:
+
+    - The wait for a pool slot is this client's own (`_take_slot`: at most `max_connections`
+      requests hold a connection, from `post` until their response is released or aborted), so
+      aiohttp's connector never waits for one and its ``connect`` timeout bounds only the
+      connect itself (DNS, TCP, TLS). aiohttp counted that wait inside the connect timeout: with
+      every connection held by a busy stream, the requests waiting failed as connect timeouts,
+      blamed on (and ejecting) a worker that never saw them. As the h1 client's (`_acquire`),
+      the wait is bounded by the caller's deadline alone, and a cancellation that ends it is
+      marked (`ended_pool_wait`): the proxy answers `UpstreamPoolFull`, a 503 blaming no worker.
+    - A pooled connection that fails before a byte of answer (EOF or reset: the worker's idle
+      keep-alive closed it as the request went out) is resent once on a new connection
+      (`_resend`, as `H1Upstream._resend`, whose docstring says why that is safe). aiohttp
+      resends only idempotent methods, never a POST: the request failed as a 502 and the worker
+      was blamed. Which connection was pooled, aiohttp does not say: `_Connector` tells.
+
+    Not told apart: a head cut short by a reset (not an EOF) on a pooled connection is resent
+    like one with no byte of answer (aiohttp's ClientOSError carries no partial head), and so
+    is an EOF after a few bytes of status line under aiohttp's pure-Python parser
+    (``AIOHTTP_NO_EXTENSIONS``; its C parser reports any byte). uvicorn writes a head whole, so
+    either is a worker dying mid-write, whose new connection fails."""
 
     def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
-        self._connector = aiohttp.TCPConnector(
+        self.max_connections = max_connections
+        self._busy = 0  # requests holding a slot (`_take_slot`)
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # aiohttp's own limit stays as a backstop: never reached (its connections in use are
+        # fewer than the slots held), so it never waits inside a connect timeout.
+        self._connector = _Connector(
             limit=max_connections,
             limit_per_host=0,
             keepalive_timeout=keepalive_s,
             use_dns_cache=True,
         )
         self._timeout = _connect_timeout(connect_s)
-        self._session = aiohttp.ClientSession(
-            connector=self._connector,
+        self._session = self._new_session(self._connector)
+        self._fresh: aiohttp.ClientSession | None = None  # resends' (`_resend`)
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
             timeout=self._timeout,
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
@@ -135,6 +233,11 @@ class AiohttpUpstream:
         keeps the timeout it was built with; a reloaded one never reached https workers)."""
         self._timeout = _connect_timeout(value)
 
+    @property
+    def busy(self) -> int:
+        """Requests holding a pool slot (tests watch it)."""
+        return self._busy
+
     async def post(
         self,
         url: str,
@@ -144,23 +247,94 @@ class AiohttpUpstream:
     ) -> UpstreamResponse:
         if sent is not None:
             sent()
+        await self._take_slot()
+        try:
+            r = await self._send(url, body, headers)
+        except BaseException:
+            self._give_slot()
+            raise
+        return _AiohttpResponse(r, self)
+
+    async def _take_slot(self) -> None:
+        """A slot among `max_connections`, waiting (FIFO) for one to be given back. No bound of
+        its own: the caller's deadline ends the wait, as `H1Upstream._acquire`'s."""
+        if self._busy < self.max_connections:
+            self._busy += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # `_give_slot` hands its slot over: `_busy` already counts it
+        except BaseException as e:
+            if fut.done() and not fut.cancelled():
+                self._give_slot()  # handed one, but it will not be used: the next waiter's
+            if isinstance(e, asyncio.CancelledError):
+                # The caller's deadline (or its client leaving) ended a wait for a slot, not
+                # for a worker: marked for `ended_pool_wait` (the proxy's 503, no blame).
+                e.kvgate_pool_wait = True  # type: ignore[attr-defined]
+            raise
+
+    def _give_slot(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        self._busy -= 1
+
+    async def _send(
+        self, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        attempt = _Attempt()
+        token = _ATTEMPT.set(attempt)
         try:
             # Not followed: a worker's redirect would re-send the tenant's prompt wherever it
             # points (any host); the proxy answers a 3xx as the worker's failure instead.
-            r = await self._session.post(
+            return await self._session.post(
                 url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout
             )
+        except _STALE as e:
+            if not (attempt.reused and _stale(e)):
+                raise UpstreamConnectError(str(e) or type(e).__name__) from e
         except (aiohttp.ClientError, OSError) as e:
             # Any failure before the head (a malformed one included: ClientResponseError) is
             # the worker's, retried elsewhere as the h1 client's are; uncaught it was a 500
-            # internal_error with a traceback, never retried, the worker never blamed.
+            # internal_error with a traceback, never retried, the worker never blamed. (A
+            # connect timeout is one: TimeoutError is an OSError.)
             raise UpstreamConnectError(str(e) or type(e).__name__) from e
-        except TimeoutError as e:  # connect timeout
-            raise UpstreamConnectError("connect timeout") from e
-        return _AiohttpResponse(r)
+        finally:
+            _ATTEMPT.reset(token)
+        return await self._resend(url, body, headers)
+
+    async def _resend(
+        self, url: str, body: bytes, headers: Mapping[str, str]
+    ) -> aiohttp.ClientResponse:
+        """The request again, once, on a new connection to the same worker: the pooled one it
+        went out on ended before a byte of answer (see `H1Upstream._resend` for why sending it
+        again is safe). New for certain: it goes through a session of its own whose connector
+        pools nothing (``force_close``: aiohttp then also asks the worker to close after its
+        answer, ``connection: close``), so it is never a pooled connection gone stale too. A new
+        connection that fails the same way is the worker's failure."""
+        if self._fresh is None:
+            self._fresh = self._new_session(
+                aiohttp.TCPConnector(
+                    force_close=True,
+                    limit=self.max_connections,
+                    limit_per_host=0,
+                    use_dns_cache=True,
+                )
+            )
+        try:
+            return await self._fresh.post(
+                url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout
+            )
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamConnectError(str(e) or type(e).__name__) from e
 
     async def close(self) -> None:
         await self._session.close()
+        if self._fresh is not None:
+            await self._fresh.close()
 
 
 # -- httpx -------------------------------------------------------------------------------------

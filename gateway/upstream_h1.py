@@ -15,7 +15,8 @@ response head is `UpstreamConnectError` (the request is retried elsewhere), a bo
 is `UpstreamStreamError`; `abort` closes the connection (the worker sees the client leave),
 `release` after a full read returns it to the pool. A pooled connection the worker closed while
 idle is found by `connection_lost` and never handed out; one that dies in the instant between
-being picked and written fails as a connect error, like aiohttp's, and the proxy retries it.
+being picked and written, before a byte of answer, is resent once on a new connection
+(`H1Upstream._resend`; the aiohttp client does the same).
 
 A connection is pooled only while the worker has sent nothing but the answers asked of it: a byte
 that starts another message after the current answer ended (in the same read as its end, or on
