@@ -184,15 +184,20 @@ class QuotaGate:
                 # replied is up, and one tenant's key that another app overwrote (WRONGTYPE on
                 # every admit) opened it, so fail-closed tenants got 503 and the rest degraded
                 # limits on a healthy Redis (review). Such a reply costs no wait to repeat.
+                _log_store_failure("quota store unavailable", e)
                 if isinstance(e, QuotaStoreUnavailable):
                     self.breaker.record_failure(time.monotonic())
+                    # The script may have run with its reply lost (a timeout, Redis killed
+                    # after the write): a full refund for this id, replayed later, frees what
+                    # it may hold and is a no-op on a store that never saw it.
+                    self._defer_orphan(tenant, request_id, model, tokens)
                 else:
+                    # A reply: the script failed before it reserved anything (ADMIT_LUA reads
+                    # every key before its first reserving write), so it holds nothing. A
+                    # refund deferred anyway failed the same way, and each later admit of that
+                    # tenant replayed up to INLINE_REPLAY of them first, a round trip and a log
+                    # line each (review).
                     self.breaker.record_success(time.monotonic())
-                _log_store_failure("quota store unavailable", e)
-                # The script may have run with its reply lost (a timeout, Redis killed after
-                # the write): a full refund for this id, replayed later, frees what it may hold
-                # and is a no-op on a store that never saw it.
-                self._defer_orphan(tenant, request_id, model, tokens)
             except asyncio.CancelledError:
                 # Cancelled mid-call (a drain whose grace ended cuts walks not yet sent to a
                 # worker): the script may have run on the store with its reply still on the
