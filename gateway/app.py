@@ -58,7 +58,7 @@ from gateway.metrics import (
 )
 from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.server import HEAD_AT, DisconnectWatch
+from gateway.server import CLIENT_RID, HEAD_AT, DisconnectWatch
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
 from gateway.tenancy import (
@@ -90,8 +90,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
-# Matched whole (`fullmatch`): `$` also matches before a trailing newline.
-_RID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Matched whole (`fullmatch`): `$` also matches before a trailing newline. The server checks
+# the ids it echoes outside the walk with the same pattern.
+_RID_OK = re.compile(CLIENT_RID.decode())
 _UNTRIED: frozenset[str] = frozenset()  # a first attempt's tried set (no allocation)
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
 # The load a record counts for requests still running on it (dispatched, prefill queued, KV on

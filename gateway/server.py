@@ -23,8 +23,9 @@ A few thousand silent or half-sent connections then lock every real client out. 
   reading is paused (a queued request's body past 64 KiB), the socket's TCP state is read each
   second, so a client that leaves is still seen (`GuardedHttpProtocol._check_paused`).
 * What llhttp lets through and RFC 9110/9112 do not: an HTTP/1.1 request without exactly one
-  Host (400; HTTP/1.0 without one is served), a transfer coding other than `chunked` (501, or
-  400 when `chunked` is not the last), `100 Continue` to an HTTP/1.0 client (not sent).
+  Host (400; HTTP/1.0 without one is served), a Host whose value is no `uri-host [":" port]`
+  (400, `valid_host`; an empty one is valid and served), a transfer coding other than `chunked`
+  (501, or 400 when `chunked` is not the last), `100 Continue` to an HTTP/1.0 client (not sent).
 * A connection the server closes with bytes it wrote still unsent (in the transport's buffer:
   a client that does not read) is aborted instead, with a reset: asyncio's and uvloop's `close`
   waits for the buffer to drain, forever for such a client, and the socket, its pending bytes
@@ -34,6 +35,10 @@ A few thousand silent or half-sent connections then lock every real client out. 
   `GuardedHttpProtocol._watch_drain`).
 * Protocol-level refusals (bad framing, request smuggling shapes, oversized or late heads) are
   OpenAI error envelopes like every other refusal of the gateway (gateway/errors.py).
+* Every response carries a request id, `x-kvgate-request-id` (gateway/ids.py). The walk sets
+  its own on the two completion paths; on every other request the server adds the ids to a
+  response that lacks them (`_with_ids`: Starlette's routes, their 404/405/500 envelopes), and
+  to its own refusals (`_with_id`).
 * `DrainingServer` turns the first SIGTERM/SIGINT into `Gateway.drain` (with a grace the caller
   picks: production's `drain_grace_s`, or a short one for `kvgate dev`), a second into a stop now
   (streams are ended at once, then a normal shutdown); see its docstring for a third.
@@ -42,7 +47,8 @@ Timers are armed per connection, or when a head arrives in pieces, never for a h
 whole; per request the guard adds three short callbacks and two dict operations, about 2 us on
 uvicorn's ~29 us protocol path (measured with a fake transport; within the noise of
 bench/overhead.py's end-to-end numbers), plus one read of the write buffer's size at the end of
-each response (a timer only where bytes are still unsent).
+each response (a timer only where bytes are still unsent). The Host check and the walk-path test
+for the request ids add ~0.3 us a head (the same way, on a slower machine: ~9 us a head).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import signal
 import socket
@@ -73,6 +80,8 @@ from uvicorn.protocols.http.httptools_impl import (
 from gateway.client_socket import AckProbe
 from gateway.config import ServerSettings
 from gateway.errors import error_body
+from gateway.ids import next_request_id
+from gateway.validate import CHAT, COMPLETIONS
 
 log = logging.getLogger("kvgate.server")
 
@@ -111,6 +120,24 @@ PAUSED_CHECK_S = 1.0
 _PEER_CLOSED = frozenset({7, 8})
 # The head fields `on_header` looks at (one set lookup per field; the rest only when one matches).
 _NOTED_FIELDS = frozenset({b"host", b"expect", b"transfer-encoding"})
+# A Host field's whole value (RFC 9112 section 3.2, RFC 3986 section 3.2.2): uri-host [":" port],
+# uri-host an IP-literal in brackets (IPv6 by its characters, or IPvFuture), or a reg-name
+# (unreserved / pct-encoded / sub-delims; an IPv4 address is one), port digits (maybe none), then
+# the trailing whitespace llhttp leaves in a value (it strips the leading). Empty is valid: a
+# target URI without an authority is sent with an empty Host (section 3.2), and served. Linear
+# (no ambiguous repetition), but a regex call still cost ~0.5 us a head where the whole head's
+# parse was ~8 us (a fake transport, a slow machine): the values found valid are kept
+# (`_HOSTS_OK`: a set lookup), and a deployment's clients send a handful.
+valid_host = re.compile(
+    rb"(?:\[(?:[0-9A-Fa-f:.]+|[vV][0-9A-Fa-f]+\.[A-Za-z0-9\-._~!$&'()*+,;=:]+)\]"
+    rb"|[A-Za-z0-9\-._~!$&'()*+,;=]*(?:%[0-9A-Fa-f]{2}[A-Za-z0-9\-._~!$&'()*+,;=]*)*)"
+    rb"(?::[0-9]*)?[ \t]*"
+).fullmatch
+# Host values `valid_host` accepted, up to a bound in number and length (a client sending a new
+# valid one per request only keeps the rest on the regex).
+_HOSTS_OK: set[bytes] = set()
+_HOSTS_OK_MAX = 64
+_HOST_KEPT_BYTES = 255  # a DNS name's length, and a port
 
 
 def _envelope_response(
@@ -130,7 +157,52 @@ def _envelope_response(
     )
 
 
-# Prebuilt: refusing a connection at the cap must cost no more than a write and a close.
+def _with_id(response: bytes) -> bytes:
+    """A refusal of the server's own (`_envelope_response`) with a request id of ours: every
+    response the gateway sends carries one. Only ours: the request's head was not (all) read,
+    so no client id is echoed."""
+    line = response.index(b"\r\n") + 2
+    rid = next_request_id().encode()
+    return b"%bx-kvgate-request-id: %b\r\n%b" % (response[:line], rid, response[line:])
+
+
+# The paths whose requests the app's walk answers (`FastPathApp`, POST only): it sets the ids
+# on each of its responses itself, so the server adds nothing there (see `_with_ids`).
+_WALK_PATHS = frozenset({CHAT, COMPLETIONS})
+# A client's request id that is echoed back (else ours is): gateway.app checks the walk's with it.
+CLIENT_RID = rb"[A-Za-z0-9._:-]{1,128}"
+_client_rid_ok = re.compile(CLIENT_RID).fullmatch
+_RID_FIELD = b"x-kvgate-request-id"
+
+
+def _with_ids(send: Callable[[Any], Awaitable[None]], request_headers: list[Any]) -> Any:
+    """``send`` for a request outside the walk (Starlette's routes, their 404, 405 and 500
+    envelopes): a response start that lacks `x-kvgate-request-id` gets the ids every response
+    carries (`gateway.ids.echo_headers`), a new id of ours and the client's `x-request-id`
+    echoed. One that has them (the edge's refusals, `FastPathApp._refuse`) is sent as it is.
+    Nothing on the walk's paths: a wrapped send costs a call per message, and a stream sends
+    hundreds."""
+
+    async def send_with_ids(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(k.lower() == _RID_FIELD for k, _ in headers):
+                rid = next_request_id().encode()
+                echo = rid
+                for k, v in request_headers:
+                    if k == b"x-request-id":
+                        if _client_rid_ok(v):
+                            echo = v
+                        break
+                headers += ((b"x-request-id", echo), (_RID_FIELD, rid))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return send_with_ids
+
+
+# Prebuilt: refusing a connection at the cap must cost no more than a write and a close (and
+# the id, `_with_id`).
 _REFUSED = _envelope_response(
     503,
     "The gateway has too many open connections; retry shortly.",
@@ -362,7 +434,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if g.open >= g.max_connections and not g.make_room():
             g.refused += 1
             self._waiting = False
-            transport.write(_REFUSED)
+            transport.write(_with_id(_REFUSED))
             transport.close()
             return
         g.open += 1
@@ -560,12 +632,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # uvicorn's own, with the parser's reason in the error (one static phrase per failure).
         self._unset_keepalive_if_required()
         chunk = self._in_chunk
-        if chunk is not None:
-            body = len(chunk.body)
         # Inside a head (or between requests) at the read's start; `cycle` changes with each
-        # head the read completes.
+        # head the read completes. Past a head, the bytes its request's body holds so far.
         waiting = self._waiting
         cycle = self.cycle
+        body = 0 if waiting or cycle is None else len(cycle.body)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -582,16 +653,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._waiting:
             if not self._lingering and not self.transport.is_closing():
-                # Still no complete head after this chunk: bound its size and its time. Only a
-                # read that lay within the head counts whole; one where the head began after
-                # other bytes (a body's tail, whole pipelined requests) charged those to the
-                # head, and a valid request behind a big body got a 431 (its predecessor, still
-                # running, ended unanswered). Such a head is charged from its next read (one
-                # read, at most 256 KiB, uncounted); 1 marks it begun (`_on_head_timeout`).
-                if waiting and self.cycle is cycle:
+                # Still no complete head after this chunk: bound its size and its time. A read
+                # that lay within the head counts whole; one where the head began after other
+                # bytes (a body's tail, whole pipelined requests) counts the head's part of it
+                # (`_head_begun_in`): charged whole, a valid request behind a big body got a 431
+                # (its predecessor, still running, ended unanswered); charged 1, as it was, up
+                # to a read (256 KiB) of head went uncounted, past the bound.
+                last = self.cycle
+                if waiting and last is cycle:
                     self._head_bytes += len(data)
                 else:
-                    self._head_bytes = 1
+                    self._head_bytes = _head_begun_in(data, last, body if last is cycle else 0)
                 if self._head_bytes > self.guard.max_head_bytes:
                     self.guard.head_too_large += 1
                     self._refuse(
@@ -642,6 +714,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if name in _NOTED_FIELDS:
                 if name == b"host":
                     self._hosts += 1
+                    if value not in _HOSTS_OK:
+                        self._check_host(value)
                 elif name == b"expect":
                     if value.lower() == b"100-continue":
                         self.expect_100_continue = True
@@ -652,6 +726,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             headers.append((name, value))
         elif self._trailer_field(len(name) + len(value) + 4):
             raise _StopParsing
+
+    def _check_host(self, value: bytes) -> None:
+        """A Host value not known valid (`_HOSTS_OK`): kept if `valid_host`, else refused (and
+        the parser stopped)."""
+        if valid_host(value) is None:
+            self.guard.bad_requests += 1
+            self._refuse(
+                400,
+                "The Host header field is not a valid host[:port] (RFC 9112 section 3.2).",
+                "bad_http_request",
+            )
+            raise _StopParsing
+        if len(_HOSTS_OK) < _HOSTS_OK_MAX and len(value) <= _HOST_KEPT_BYTES:
+            _HOSTS_OK.add(value)
 
     def on_headers_complete(self) -> None:
         # When the request head was complete: the walk's clock starts here, not when its task
@@ -672,8 +760,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._upgrade_requested()
             return
         _on_headers_complete(self)
-        if self.cycle is not None:
-            self.cycle.kvgate_lost = None  # this cycle reports its disconnect (DisconnectWatch)
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.kvgate_lost = None  # this cycle reports its disconnect (DisconnectWatch)
+            scope = self.scope
+            if scope["method"] != "POST" or scope["path"] not in _WALK_PATHS:
+                cycle.send = _with_ids(cycle.send, self.headers)  # type: ignore[method-assign]
         if self.pipeline:
             # Queued behind the running request, and uvicorn stopped reading until its turn: a
             # client that left meanwhile went unseen (its FIN waiting in the kernel) while the
@@ -820,10 +912,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
         else:
             _on_headers_complete(self)
-            if self.cycle is not None:
+            cycle = self.cycle
+            if cycle is not None:
+                scope = self.scope
+                if scope["method"] != "POST" or scope["path"] not in _WALK_PATHS:
+                    cycle.send = _with_ids(cycle.send, self.headers)  # type: ignore[method-assign]
                 if not self.pipeline:
-                    self._running = self.cycle
-                self.cycle.keep_alive = False
+                    self._running = cycle
+                cycle.keep_alive = False
 
     def on_response_complete(self) -> None:
         running = self._running
@@ -910,7 +1006,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if mid_response:  # no room for another status line
             self._give_up()
             return
-        self.transport.write(_envelope_response(status, message, code, type_))
+        self.transport.write(_with_id(_envelope_response(status, message, code, type_)))
         if linger:
             self._close_lingering()
         else:
@@ -931,6 +1027,35 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _end_linger(self) -> None:
         self._timer = None
         self._give_up()
+
+
+def _head_begun_in(data: bytes, last: RequestResponseCycle | None, body_before: int) -> int:
+    """The bytes of ``data`` (one read) that belong to a head which began inside it and is not
+    complete at its end: what the guard charges that head for the read. ``last`` is the request
+    parsed before it, whose body held ``body_before`` bytes at the read's start.
+
+    httptools tells no offsets, so the head's start is bounded from two sides and the lesser
+    bound is charged; each is exact in a shape pipelining clients send:
+
+    * the bytes after the read's last blank line (CRLF CRLF): a head that has not ended holds
+      none (llhttp takes no bare LF and no folded line), so it lies within them. Exact when the
+      request before it ends with one: it has no body, or a chunked one.
+    * the read less the bytes it added to ``last``'s body, which all precede the head. Exact
+      when the read began in that body (a content-length body's tail, then the head).
+
+    Otherwise (a whole request with a content-length body, then the head, in one read) it is
+    over, never under: by what the read held before that body (its request's head, and any
+    whole requests before), or by the body's bytes after its own last blank line, whichever is
+    less; never by the body whole (charged the read whole, a valid request behind a big body got
+    a 431). Runs only for a head that a read began and left incomplete, never once per request.
+    """
+    n = len(data)
+    end = data.rfind(b"\r\n\r\n")
+    if end >= 0:
+        n -= end + 4
+    if last is not None:
+        n = min(n, len(data) - (len(last.body) - body_before))
+    return max(n, 1)  # begun: never 0, which reads as no head at all (`_on_head_timeout`)
 
 
 def _check_every(stall_s: float) -> float:

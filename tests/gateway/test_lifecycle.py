@@ -48,6 +48,7 @@ def gateway() -> tuple[Gateway, list[str | None]]:
     gw.admission.kick = kicks.append  # type: ignore[method-assign]
     for w in gw.registry.workers.values():
         w.health = Health.HEALTHY
+        gw.registry.probe_ok(w.name, [{"id": "m"}], None)  # they serve `call()`'s model
     return gw, kicks
 
 
