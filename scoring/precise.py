@@ -55,14 +55,20 @@ workers share it, ~185 when 16 do, counting the engine-hash ints the index keeps
 each (1.6M tokens apiece) is ~300-430 MB; pending adds ~50-75 bytes per (worker, key) dispatched in
 the last ``pending_ttl_s``. What a worker's events may make it hold is bounded (``set_capacity``:
 its reported KV blocks times ``OFFLOAD_SLACK``, at most ``MAX_WORKER_BLOCKS``, ~140 MB); past the
-bound the blocks it stored first are dropped, so a worker that over-claims is under-credited.
+bound blocks are dropped (``_trim``: those held only off GPU first, then first stored first out,
+with a second chance for blocks dispatches were routed on), so a worker that over-claims is
+under-credited. The pending heap is compacted when it references more than twice the keys still
+pending (``_compact_pq``), so its memory follows what is pending, not every dispatch of the last
+``pending_ttl_s``.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+from operator import and_, countOf, eq, is_not, not_, rshift, sub
 
 from scoring.prefix import chain_hashes_tokens
 
@@ -106,6 +112,36 @@ def _key_tiers(refs: int) -> int:
     return (1 if refs & _GPU_REFS else 0) | (2 if refs >> _OTHER_SHIFT else 0)
 
 
+# What dropping an engine hash in every tier takes from its key's refcounts, by ``value >> 64``
+# of its e2k entry (0: GPU only, 1: another tier only, 2: both).
+_DEC = (1, _OTHER, _OTHER + 1)
+# Slack of the structures compacted from time to time (heap entries, second-chance keys).
+_SLACK = 4096
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator of C-level calls (``map`` of a bound method) to its end."""
+    deque(it, maxlen=0)
+
+
+def _unmask(d: dict[int, int], keys: list[int], keep: int, every: bool) -> dict[int, int]:
+    """``d[k] &= keep`` for every k of ``keys`` (all in ``d``), deleting the entries left 0;
+    returns the dict to use from now on (``d`` or a new one).
+
+    In bulk C-level calls, and touching each key twice at most: on dicts of 500k entries the
+    cost is cache misses (~100-200 ns a lookup), not the interpreter. ``every``: ``keys`` are
+    all the keys of ``d`` with bits outside ``keep``; when they are most of ``d`` a new dict is
+    then built in one sequential pass instead (3x less than the lookups)."""
+    rep = itertools.repeat
+    if every and 2 * len(keys) >= len(d):
+        masks = list(map(and_, d.values(), rep(keep)))
+        return dict(itertools.compress(zip(d, masks, strict=True), masks))
+    masks = list(map(and_, map(d.__getitem__, keys), rep(keep)))
+    d.update(zip(itertools.compress(keys, masks), itertools.compress(masks, masks), strict=True))
+    _consume(map(d.__delitem__, itertools.compress(keys, map(not_, masks))))
+    return d
+
+
 class PreciseIndex:
     """Per-worker blocks as reported by KV events, keyed by the gateway's own chained block keys.
 
@@ -128,20 +164,36 @@ class PreciseIndex:
         )
         # Blocks dropped because a worker claimed more than its bound (`set_capacity`).
         self.overflow: dict[str, int] = {}
+        # trusted() cache: valid while lo < now <= hi and nothing it depends on changed.
+        self._trust: frozenset[str] | None = None
+        self._tmask = 0
+        self._tover = 0  # slots (bit s) that had reached stale_after_dispatches in the cache
+        self._trust_lo = float("-inf")
+        self._trust_hi = float("inf")
+        # Read on every match, feeds no cached state: a plain attribute.
         self.offload_weight = float(offload_weight)
-        self.pending_ttl_s = float(pending_ttl_s)
-        self.settle_s = float(settle_s)
-        self.stale_after_s = float(stale_after_s)
-        self.stale_after_dispatches = int(stale_after_dispatches)
+        # The other knobs are properties: a reload assigns them on the live index (Gateway.apply)
+        # and what they decided already (the trusted() cache, the expiry of what is pending)
+        # must follow.
+        self._ttl = float(pending_ttl_s)
+        self._settle = float(settle_s)
+        self._recap_due = False  # pending_ttl_s or settle_s lowered: cap expiries at next sweep
+        self._stale_s = float(stale_after_s)
+        self._stale_n = int(stale_after_dispatches)
         self.unkeyed: dict[str, int] = {}
         # key -> holder mask, two bits per slot: 2s = held (any tier), 2s+1 = held off-GPU only.
         self._holders: dict[int, int] = {}
         self._offl = 0  # (worker, key) pairs held off-GPU only: match skips the check when 0
         # key -> mask of slots (bit 2s) with an unexpired dispatch of that key.
         self._pending: dict[int, int] = {}
-        # (expiry, seq, slot, keys): a heap, since dispatch_done moves expiries earlier.
+        # (expiry, seq, slot, keys): a heap, since dispatch_done moves expiries earlier. An entry
+        # keeps its keys referenced after they stopped being pending (settled, stored, noted
+        # again): _pq_keys counts the keys entries reference, _plive the (slot, key) entries
+        # pending, and the heap is compacted when the first outgrows the second (_compact_pq).
         self._pq: list[tuple[float, int, int, Sequence[int]]] = []
         self._pseq = 0
+        self._pq_keys = 0
+        self._plive = 0
         self._slot: dict[str, int] = {}
         self._names: list[str | None] = []
         # Per slot. engine hash -> key, with the engine hash's tiers above bit 64 when it is not
@@ -154,14 +206,60 @@ class PreciseIndex:
         self._pn: list[dict[int, int]] = []
         self._cap: list[int] = []  # engine hashes the slot may hold (`set_capacity`)
         self._trimmed: list[int] = []  # engine hashes trimmed since its e2k was last compacted
+        # Engine hashes held only off GPU, in the order they got so (stored off GPU, or evicted
+        # from GPU while kept in another tier): what _trim drops first (dict as ordered set).
+        self._offq: list[dict[Hashable, None]] = []
+        self._offgone: list[int] = []  # deleted from _offq since it was last compacted
+        # Keys of leading runs that dispatches were routed on (note_dispatch) since _trim last
+        # passed them: an entry of such a key gets a second chance (moved to the back).
+        self._used: list[set[int]] = []
         self._live: list[bool] = []
         self._last: list[float] = []  # time of the last event batch (or of going live)
         self._disp: list[int] = []  # dispatches since then
-        # trusted() cache: valid while lo < now <= hi and nothing it depends on changed.
-        self._trust: frozenset[str] | None = None
-        self._tmask = 0
-        self._trust_lo = float("-inf")
-        self._trust_hi = float("inf")
+
+    # -- knobs (reloadable) ------------------------------------------------------------------
+    @property
+    def stale_after_s(self) -> float:
+        return self._stale_s
+
+    @stale_after_s.setter
+    def stale_after_s(self, value: float) -> None:
+        self._stale_s = float(value)
+        self._invalidate()
+
+    @property
+    def stale_after_dispatches(self) -> int:
+        return self._stale_n
+
+    @stale_after_dispatches.setter
+    def stale_after_dispatches(self, value: int) -> None:
+        self._stale_n = int(value)
+        self._invalidate()
+
+    @property
+    def pending_ttl_s(self) -> float:
+        return self._ttl
+
+    @pending_ttl_s.setter
+    def pending_ttl_s(self, value: float) -> None:
+        """Lowered: what is pending and not done expires at most this long after the next
+        sweep (the expiries were set with the old TTL). Raised: only later dispatches get it."""
+        value = float(value)
+        if value < self._ttl:
+            self._recap_due = True
+        self._ttl = value
+
+    @property
+    def settle_s(self) -> float:
+        return self._settle
+
+    @settle_s.setter
+    def settle_s(self, value: float) -> None:
+        """As ``pending_ttl_s``, for what is settling (its dispatch is done)."""
+        value = float(value)
+        if value < self._settle:
+            self._recap_due = True
+        self._settle = value
 
     # -- membership --------------------------------------------------------------------------
     def _slot_of(self, worker: str, now: float = 0.0) -> int:
@@ -179,12 +277,18 @@ class PreciseIndex:
             self._pn.append({})
             self._cap.append(0)
             self._trimmed.append(0)
+            self._offq.append({})
+            self._offgone.append(0)
+            self._used.append(set())
             self._live.append(False)
             self._last.append(now)
             self._disp.append(0)
         self._names[slot] = worker
         self._cap[slot] = self.max_worker_blocks
         self._trimmed[slot] = 0
+        self._offq[slot] = {}
+        self._offgone[slot] = 0
+        self._used[slot] = set()
         self._e2k[slot] = {}
         self._refs[slot] = {}
         self._pexp[slot] = {}
@@ -202,26 +306,39 @@ class PreciseIndex:
         self._trust = None
 
     def clear(self, worker: str) -> None:
-        """Forget every block (and pending dispatch) of ``worker``; liveness state is kept."""
+        """Forget every block (and pending dispatch) of ``worker``; liveness state is kept.
+
+        In bulk C-level calls (``_unmask``): a Python loop per key held the event loop ~200 ms
+        for a full worker (524,288 blocks); this takes a fraction of that."""
         slot = self._slot.get(worker)
         if slot is None:
             return
-        both = 3 << (2 * slot)
-        holders = self._holders
+        self._clear_held(slot)
+        pexp = self._pexp[slot]
+        if pexp:
+            self._pending = _unmask(self._pending, list(pexp), ~(1 << (2 * slot)), True)
+            self._plive -= len(pexp)
+            self._pexp[slot] = {}
+        self._pn[slot] = {}
+
+    def _clear_held(self, slot: int) -> None:
+        """``clear`` of the blocks (not the pending dispatches)."""
         refs = self._refs[slot]
-        self._offl -= sum(1 for r in refs.values() if not r & _GPU_REFS)
-        for key in refs:
-            m = holders.get(key, 0) & ~both
-            if m:
-                holders[key] = m
-            else:
-                holders.pop(key, None)
+        if refs:
+            # keys held off-GPU only: no GPU refcount
+            gpu = map(and_, refs.values(), itertools.repeat(_GPU_REFS))
+            self._offl -= countOf(gpu, 0)
+            self._holders = _unmask(self._holders, list(refs), ~(3 << (2 * slot)), True)
         self._refs[slot] = {}
         self._e2k[slot] = {}
-        self._drop_pending(slot, list(self._pexp[slot]))
+        self._offq[slot] = {}
+        self._offgone[slot] = 0
+        self._trimmed[slot] = 0
+        self._used[slot] = set()
 
     def remove_worker(self, worker: str) -> None:
-        """Forget ``worker`` entirely (blocks, pending, liveness, counters) and free its slot."""
+        """Forget ``worker`` entirely (blocks, pending, liveness, counters) and free its slot
+        (its entries in the pending heap go at the next compaction)."""
         self.clear(worker)
         slot = self._slot.pop(worker, None)
         self.unkeyed.pop(worker, None)
@@ -257,8 +374,19 @@ class PreciseIndex:
         return self.max_worker_blocks if slot is None else self._cap[slot]
 
     def _trim(self, slot: int) -> None:
-        """Down to the slot's bound, first stored first out. A dict iterates in insertion order,
-        so the oldest engine hashes are its first ones (a block gaining a tier keeps its place)."""
+        """Down to the slot's bound. vLLM announces a block once (a hit, or a duplicate store,
+        sends nothing that moves it), so first stored first out alone dropped the roots of the
+        hottest chains first, and every request sharing one then matched nothing. The order:
+
+        1. engine hashes held only off GPU (offload tiers), in the order they left the GPU (or
+           were stored off it): the engine's own LRU evicted them from GPU first;
+        2. the others first stored first out (a dict iterates in insertion order; a block
+           gaining a tier keeps its place), except that an entry whose key a dispatch was routed
+           on since (``note_dispatch``: the leading run the worker held on GPU) gets a second
+           chance: it moves to the back once and its mark is used up (CLOCK). A prefix
+           requests keep routing on stays; one nobody routes on goes in stored order.
+
+        Amortised O(1) per entry: each move is paid by the dispatch that marked the key."""
         e2k = self._e2k[slot]
         over = len(e2k) - self._cap[slot]
         if over <= 0:
@@ -266,15 +394,127 @@ class PreciseIndex:
         name = self._names[slot]
         assert name is not None
         self.overflow[name] = self.overflow.get(name, 0) + over
-        self._drop(slot, list(itertools.islice(e2k, over)), 3)
+        if 2 * over > len(e2k):  # most of it goes (a smaller capacity): rebuild from the rest
+            self._trim_rebuild(slot, over)
+            return
+        offq = self._offq[slot]
+        if offq:
+            victims = list(itertools.islice(offq, over))
+            self._drop_all(slot, victims)
+            over -= len(victims)
+            gone = self._offgone[slot]
+            if gone > max(_SLACK, len(offq) >> 3):  # holes at its front: as for e2k below
+                self._offq[slot] = dict(offq)
+                gone = 0
+            self._offgone[slot] = gone
+        used = self._used[slot]
+        moved = 0
+        dropped = 0
+        while over > 0:
+            batch = list(itertools.islice(e2k, over))
+            if used:
+                keys = list(map(and_, map(e2k.__getitem__, batch), itertools.repeat(_MASK64)))
+                hot = list(map(used.__contains__, keys))
+                if any(hot):
+                    spared = list(itertools.compress(batch, hot))
+                    for eh in spared:
+                        e2k[eh] = e2k.pop(eh)  # to the back
+                    used.difference_update(itertools.compress(keys, hot))
+                    moved += len(spared)
+                    batch = list(itertools.compress(batch, map(not_, hot)))
+            self._drop_all(slot, batch)
+            over -= len(batch)
+            dropped += len(batch)
         # A dict iterates from its first slot, over every deleted entry: once the front is
         # mostly holes each trim would scan them all (3 ms per 2,048 blocks at 524,288), so
         # the dict is rebuilt, in order, every so often (~20 ms at that size).
-        t = self._trimmed[slot] + over
-        if t > max(4096, len(e2k) >> 3):
+        t = self._trimmed[slot] + dropped + moved
+        if t > max(_SLACK, len(e2k) >> 3):
             self._e2k[slot] = dict(e2k)
             t = 0
         self._trimmed[slot] = t
+
+    def _trim_rebuild(self, slot: int, over: int) -> None:
+        """``_trim`` of more than half the slot (``set_capacity`` lowered: 508k of 524k entries
+        took ~1 s one by one): clear it and record again what stays, the ``len(e2k) - over``
+        last in trim order (off-GPU-only first, then stored order; second chances are not
+        given here: the marks are dropped with the rest)."""
+        e2k = self._e2k[slot]
+        first = set(itertools.islice(self._offq[slot], over))
+        order = itertools.filterfalse(first.__contains__, e2k) if first else iter(e2k)
+        kept = list(itertools.islice(order, over - len(first), None))
+        vals = list(map(e2k.__getitem__, kept))
+        self._clear_held(slot)
+        self._e2k[slot] = dict(zip(kept, vals, strict=True))
+        self._offq[slot] = offq = {}
+        refs = self._refs[slot]
+        for eh, v in zip(kept, vals, strict=True):
+            k, t = v & _MASK64, v >> 64
+            refs[k] = refs.get(k, 0) + _DEC[t]
+            if t == 1:
+                offq[eh] = None
+        even = 1 << (2 * slot)
+        both = even | (even << 1)
+        holders = self._holders
+        hget = holders.get
+        off = 0
+        for k, r in refs.items():
+            if r & _GPU_REFS:
+                holders[k] = hget(k, 0) | even
+            else:
+                holders[k] = hget(k, 0) | both
+                off += 1
+        self._offl += off
+
+    def _drop_all(self, slot: int, victims: list[Hashable]) -> None:
+        """``_drop(slot, victims, 3)`` of engine hashes all mapped, in bulk C-level calls when
+        their keys are distinct (the usual case: one engine hash per block)."""
+        if not victims:
+            return
+        e2k = self._e2k[slot]
+        vals = list(map(e2k.pop, victims))
+        keys = list(map(and_, vals, itertools.repeat(_MASK64)))
+        if len(set(keys)) != len(keys):  # several engine hashes of one key: one by one
+            # put back (their place in e2k no longer matters) and dropped one by one
+            e2k.update(zip(victims, vals, strict=True))
+            self._drop(slot, victims, 3)
+            return
+        tiers = list(map(rshift, vals, itertools.repeat(64)))  # 0: GPU, 1: other, 2: both
+        if 1 in tiers:
+            offq = self._offq[slot]
+            n0 = len(offq)
+            _consume(
+                map(
+                    offq.pop,
+                    itertools.compress(victims, map(eq, tiers, itertools.repeat(1))),
+                    itertools.repeat(None),
+                )
+            )
+            self._offgone[slot] += n0 - len(offq)
+        refs = self._refs[slot]
+        r0 = list(map(refs.__getitem__, keys))
+        r1 = list(map(sub, r0, map(_DEC.__getitem__, tiers)))
+        left = list(map(not_, r1))  # the key left the worker
+        gone = list(itertools.compress(keys, left))
+        if len(gone) < len(keys):
+            stay = itertools.compress(keys, r1)
+            refs.update(zip(stay, itertools.compress(r1, r1), strict=True))
+        if gone:
+            _consume(map(refs.__delitem__, gone))
+            was_off = itertools.compress(r0, left)
+            self._offl -= countOf(map(and_, was_off, itertools.repeat(_GPU_REFS)), 0)
+            self._holders = _unmask(self._holders, gone, ~(3 << (2 * slot)), False)
+        if len(gone) < len(keys):  # keys still held through another engine hash: rare
+            even = 1 << (2 * slot)
+            both = even | (even << 1)
+            holders = self._holders
+            for k, a, b in zip(keys, r0, r1, strict=True):
+                if not b:
+                    continue
+                kt, kt0 = _key_tiers(b), _key_tiers(a)
+                if kt != kt0:
+                    self._offl += (kt == 2) - (kt0 == 2)
+                    holders[k] = (holders.get(k, 0) & ~both) | (even if kt & 1 else both)
 
     # -- liveness ----------------------------------------------------------------------------
     def set_live(self, worker: str, live: bool, now: float = 0.0) -> None:
@@ -294,7 +534,7 @@ class PreciseIndex:
     def touch(self, worker: str, now: float) -> None:
         """An event batch from ``worker`` arrived: it is reporting."""
         slot = self._slot_of(worker, now)
-        if self._disp[slot] >= self.stale_after_dispatches:
+        if self._disp[slot] >= self._stale_n:
             self._invalidate()
         self._last[slot] = now
         self._disp[slot] = 0
@@ -307,12 +547,14 @@ class PreciseIndex:
         lo, hi = float("-inf"), float("inf")
         names: list[str] = []
         mask = 0
-        need = self.stale_after_dispatches
-        after = self.stale_after_s
+        over = 0
+        need = self._stale_n
+        after = self._stale_s
         for slot, name in enumerate(self._names):
             if name is None or not self._live[slot]:
                 continue
             if self._disp[slot] >= need:
+                over |= 1 << slot
                 at = self._last[slot] + after
                 if now > at:  # stale until an event batch arrives (or `now` runs backwards)
                     lo = max(lo, at)
@@ -322,6 +564,7 @@ class PreciseIndex:
             mask |= 1 << (2 * slot)
         self._trust = t = frozenset(names)
         self._tmask = mask
+        self._tover = over
         self._trust_lo, self._trust_hi = lo, hi
         return t
 
@@ -377,6 +620,7 @@ class PreciseIndex:
         both = even | (even << 1)
         holders = self._holders
         hget = holders.get
+        offq = self._offq[slot]
         for eh, key in zip(engine_hashes, keys, strict=True):
             v = e2k.get(eh)
             if v is None:
@@ -387,6 +631,11 @@ class PreciseIndex:
                     continue  # duplicate: already held in this tier
             t |= tb
             e2k[eh] = k if t == 1 else k | ((t - 1) << 64)
+            if t == 2:  # stored off GPU only: first to trim
+                offq[eh] = None
+            elif t == 3 and tb == 1:  # back on GPU
+                del offq[eh]
+                self._offgone[slot] += 1
             r0 = refs.get(k, 0)
             refs[k] = r1 = r0 + inc
             kt = _key_tiers(r1)
@@ -456,6 +705,7 @@ class PreciseIndex:
         even = 1 << (2 * slot)
         both = even | (even << 1)
         holders = self._holders
+        offq = self._offq[slot]
         gone = 0
         for eh in engine_hashes:
             v = e2k.get(eh)
@@ -468,9 +718,14 @@ class PreciseIndex:
             t &= ~drop
             if t:
                 e2k[eh] = k if t == 1 else k | ((t - 1) << 64)
+                if t == 2:  # evicted from GPU, kept in another tier
+                    offq[eh] = None
             else:
                 del e2k[eh]
                 gone += 1
+                if drop == 2:  # was held off GPU only
+                    del offq[eh]
+                    self._offgone[slot] += 1
             r0 = refs[k]
             r1 = r0 - (1 if drop & 1 else 0) - (_OTHER if drop & 2 else 0)
             if r1:
@@ -498,6 +753,7 @@ class PreciseIndex:
         keep = ~(1 << (2 * slot))
         pend = self._pending
         pn = self._pn[slot]
+        n0 = len(pexp)
         for k in keys:
             pn.pop(k, None)
             if pexp.pop(k, None) is not None:
@@ -506,16 +762,23 @@ class PreciseIndex:
                     pend[k] = m
                 else:
                     del pend[k]
+        self._plive -= n0 - len(pexp)
 
     def _sweep(self, now: float) -> None:
+        if self._recap_due:
+            self._recap(now)
         q = self._pq
+        if not q or q[0][0] > now:
+            return
         pend = self._pending
         while q and q[0][0] <= now:
             _, _, slot, keys = heapq.heappop(q)
+            self._pq_keys -= len(keys)
             pexp = self._pexp[slot]
             if not pexp:
                 continue
             keep = ~(1 << (2 * slot))
+            n0 = len(pexp)
             for k in keys:
                 e = pexp.get(k)
                 if e is not None and e <= now:  # a later dispatch of k may have extended it
@@ -526,6 +789,75 @@ class PreciseIndex:
                         pend[k] = m
                     else:
                         del pend[k]
+            self._plive -= n0 - len(pexp)
+        if self._pq_keys > 2 * self._plive + _SLACK:
+            self._compact_pq()
+
+    def _push(self, exp: float, slot: int, keys: Sequence[int]) -> None:
+        self._pseq += 1
+        heapq.heappush(self._pq, (exp, self._pseq, slot, keys))
+        self._pq_keys += len(keys)
+        if self._pq_keys > 2 * self._plive + _SLACK:
+            self._compact_pq()
+
+    def _compact_pq(self) -> None:
+        """Keep in the heap only what is still pending: each live (slot, key) once, in an entry
+        with its expiry. Entries otherwise keep referencing keys long gone: a dispatch's keys
+        until its pending_ttl_s (300 s) passed, even once done and settled or stored (3,000
+        finished requests of 2,048 blocks held 298 MiB). Called when the heap references more
+        than twice the live keys (plus a slack), it costs O(heap keys) in C-level calls (one
+        lookup a key), paid by the more than live-count keys pushed since the last call:
+        amortised O(1) a key."""
+        q = self._pq
+        rep = itertools.repeat
+        # A key can sit in two entries of one expiry (noted twice at one `now`): then each
+        # kept key is also popped from a copy of its slot's pending, so it stays in one only.
+        firsts = {(slot, e) for e, _s, slot, _k in q}
+        left = [dict(p) if p else p for p in self._pexp] if len(firsts) < len(q) else None
+        out: list[tuple[float, int, int, Sequence[int]]] = []
+        total = 0
+        for e, seq, slot, keys in q:
+            pexp = self._pexp[slot]
+            if not pexp:
+                continue
+            ok = list(map(eq, map(pexp.get, keys), rep(e)))  # its expiry is this entry's
+            n = countOf(ok, True)
+            if not n:
+                continue
+            kept = keys if n == len(keys) else list(itertools.compress(keys, ok))
+            if left is not None:
+                got = list(map(left[slot].pop, kept, rep(None)))
+                if countOf(got, None):
+                    kept = list(itertools.compress(kept, map(is_not, got, rep(None))))
+                    if not kept:
+                        continue
+            out.append((e, seq, slot, kept))
+            total += len(kept)
+        heapq.heapify(out)
+        self._pq = out
+        self._pq_keys = total
+
+    def _recap(self, now: float) -> None:
+        """pending_ttl_s or settle_s was lowered: nothing pending expires later than it from
+        now (still waiting for its first token: the TTL; done: settle_s)."""
+        self._recap_due = False
+        wait, done = now + self._ttl, now + self._settle
+        for slot, pexp in enumerate(self._pexp):
+            if not pexp:
+                continue
+            pn = self._pn[slot]
+            a: list[int] = []
+            b: list[int] = []
+            for k, e in pexp.items():
+                if k in pn:
+                    if e > wait:
+                        a.append(k)
+                elif e > done:
+                    b.append(k)
+            for keys, exp in ((a, wait), (b, done)):
+                if keys:
+                    pexp.update(zip(keys, itertools.repeat(exp)))
+                    self._push(exp, slot, keys)
 
     def pending_size(self) -> int:
         """(worker, key) pending entries alive now (before the next sweep): for tests, metrics."""
@@ -541,10 +873,12 @@ class PreciseIndex:
         slot = self._slot_of(worker, now)
         self._sweep(now)
         d = self._disp[slot] = self._disp[slot] + 1
-        if d == self.stale_after_dispatches:
+        # >=, not ==: the threshold may have been lowered past the count (a reload); once the
+        # cache accounts for the slot being past it, later dispatches change nothing in it.
+        if d >= self._stale_n and not (self._tover >> slot) & 1:
             self._invalidate()
         n = len(chain)
-        if not n or self.pending_ttl_s <= 0:
+        if not n:
             return
         even = 1 << (2 * slot)
         both = even | (even << 1)
@@ -552,21 +886,29 @@ class PreciseIndex:
         i = 0
         while i < n and hget(chain[i], 0) & both == even:
             i += 1
-        if i == n:
+        if i and 2 * len(self._e2k[slot]) > self._cap[slot]:
+            # The run is routed on: second chance at the next trim (only marked once the
+            # worker is half way to its bound; until then nothing is trimmed).
+            used = self._used[slot]
+            used.update(itertools.islice(chain, i))
+            if len(used) > len(self._refs[slot]) + _SLACK:  # keys evicted since they were used
+                used.intersection_update(self._refs[slot])
+        if i == n or self._ttl <= 0:
             return
         rest = chain[i:]  # a copy: the sweep must see the keys noted, whatever the caller does
-        exp = now + self.pending_ttl_s
+        exp = now + self._ttl
         pexp = self._pexp[slot]
         pn = self._pn[slot]
         pend = self._pending
         pget = pend.get
         nget = pn.get
+        n0 = len(pexp)
         for k in rest:
             pexp[k] = exp
             pend[k] = pget(k, 0) | even
             pn[k] = nget(k, 0) + 1
-        self._pseq += 1
-        heapq.heappush(self._pq, (exp, self._pseq, slot, rest))
+        self._plive += len(pexp) - n0
+        self._push(exp, slot, rest)
 
     def dispatch_done(self, worker: str, chain: Sequence[int], now: float) -> None:
         """The dispatch of ``chain`` produced its first token (or failed): its prefill's events
@@ -579,7 +921,7 @@ class PreciseIndex:
         pexp = self._pexp[slot]
         if not pexp:
             return
-        exp = now + self.settle_s
+        exp = now + self._settle
         pn = self._pn[slot]
         moved = []
         for k in chain:
@@ -592,10 +934,8 @@ class PreciseIndex:
             if pexp.get(k, exp) > exp:
                 moved.append(k)
         if moved:
-            for k in moved:
-                pexp[k] = exp
-            self._pseq += 1
-            heapq.heappush(self._pq, (exp, self._pseq, slot, moved))
+            pexp.update(zip(moved, itertools.repeat(exp)))
+            self._push(exp, slot, moved)
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
