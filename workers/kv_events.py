@@ -311,6 +311,23 @@ class KVEventSubscriber:
         if self._wake is not None:
             self._wake.set()
 
+    def verify_continuity(self) -> None:
+        """Check, as after a reconnect, that the publisher's sequence went on from the last
+        batch applied (the worker was out of service without a restart: a health flap): with a
+        replay endpoint, by finding that batch in the replay byte for byte (then applying what
+        follows; a new publisher or a hole the buffer no longer covers resets); without one,
+        not live until the stream's next batch shows its sequence number. Disconnected, the
+        reconnect check runs anyway when the connection is back."""
+        if not self.running or not self.stats.connected:
+            return
+        if self.replay_endpoint is None and not self._holds_state():
+            return  # nothing held to check
+        self._set_live(False)
+        self._lost_connection = True
+        if ("connected", "") not in self._control:
+            self._control.append(("connected", ""))
+        self._wake_up()
+
     async def _read_stream(self, sub: zmq.asyncio.Socket) -> None:
         assert self._room is not None
         while True:

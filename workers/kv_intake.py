@@ -10,6 +10,21 @@ reloads.
 Why the root seed is rebuilt from the event and not remembered per request: events arrive for
 traffic this replica never routed (other replicas, direct clients), and every replica must key
 them alike without talking to the others.
+
+Why a health flap is not a reset. The prober sees a worker go from healthy to not healthy for
+many reasons besides a restart: a TTFT outlier or the breaker ejecting it, one slow probe. The
+same engine and the same event stream carry on meanwhile, and vLLM announces a block only once,
+when it is computed (``kv_cache_report_mode="incremental"``): an index cleared then could only be
+rebuilt from the publisher's replay buffer, and every hot prefix stored before it would be gone
+for as long as it stays hot. So a flap only stops trusting the worker's events (``PreciseSink.
+hold``; they are still applied); on its recovery the stream's continuity is checked as after a
+reconnect (our last batch still in the replay, byte for byte, or else the next batch's sequence
+number), which resets only on a gap or a new publisher. A new process start time (a restart the
+probes saw) still resets at once.
+
+Why the block size each worker's events are keyed at is kept (``scoring.state.KeyedBlockSizes``):
+a request's block chain is cut at one block size, and a worker keyed at another one cannot match
+it; routing then uses the approximate index's figure for it instead.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from dataclasses import dataclass
 
 from scoring.precise import PreciseIndex
 from scoring.prefix import seed_for
+from scoring.state import keyed_block_sizes
 from workers.kv_events import KVEventStats, KVEventSubscriber
 from workers.kv_wire import (
     UNKEYABLE_LORA_NAME,
@@ -120,6 +136,11 @@ class PreciseSink:
         # the gateway's own guess (`set_live`). _want_live: what their subscriber last said.
         self._saltless: set[str] = set()
         self._want_live: dict[str, bool] = {}
+        # Workers whose events are not trusted whatever their subscriber says: held by the
+        # fleet while the prober finds them not healthy (`KVEventFleet.note_probe`).
+        self._held: set[str] = set()
+        # Worker -> the block size its stores are keyed at, read by routing (`RoutingState`).
+        self.block_sizes = keyed_block_sizes(index)
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
         for _ in self.apply_steps(worker, events):
@@ -137,6 +158,7 @@ class PreciseSink:
         if cap:
             idx.set_capacity(worker, cap)
         groups = self._groups.get(worker, _PLAIN_GROUPS)
+        keyed_at = self.block_sizes.of.get(worker)
         step = APPLY_STEP_BLOCKS
         done = 0  # blocks (or events) since the last pause
         for ev in events:
@@ -182,6 +204,9 @@ class PreciseSink:
                     why = SKIP_UNKNOWN_MODEL if model is None else SKIP_UNKNOWN_BLOCK_SIZE
                     self.skips[(worker, why)] += 1
                     continue
+                if bs != keyed_at:
+                    self.block_sizes.set(worker, bs)
+                    keyed_at = bs
                 seed: int | None
                 if ev.unkeyable is None:
                     seed = seed_for(model, "", ev.cache_salt or "")
@@ -267,12 +292,13 @@ class PreciseSink:
         """A chain's first blocks came with their extra keys: the worker (a newer engine after a
         restart, say) can be keyed again."""
         self._saltless.discard(worker)
-        self.index.set_live(worker, self._want_live.get(worker, False), now)
+        self.index.set_live(worker, self._live_now(worker), now)
 
     def forget(self, worker: str) -> None:
-        """The worker's groups describe one engine: a restart (or another server behind the
-        name) may bring another layout, learned anew from its stores."""
+        """The worker's groups and block size describe one engine: a restart (or another
+        server behind the name) may bring another layout, learned anew from its stores."""
         self._groups.pop(worker, None)
+        self.block_sizes.drop(worker)
 
     def remove(self, worker: str) -> None:
         """The worker is no longer subscribed: its skip and reset counts go with it (its other
@@ -281,6 +307,7 @@ class PreciseSink:
         self.forget(worker)
         self._saltless.discard(worker)
         self._want_live.pop(worker, None)
+        self._held.discard(worker)
         for counts in (self.skips, self.resets):
             for key in [k for k in counts if k[0] == worker]:
                 del counts[key]
@@ -292,7 +319,29 @@ class PreciseSink:
 
     def set_live(self, worker: str, live: bool) -> None:
         self._want_live[worker] = live
-        self.index.set_live(worker, live and worker not in self._saltless, self.clock())
+        self.index.set_live(worker, self._live_now(worker), self.clock())
+
+    def hold(self, worker: str) -> None:
+        """Do not trust the worker's events until ``release`` (they are still applied)."""
+        if worker not in self._held:
+            self._held.add(worker)
+            self.index.set_live(worker, False, self.clock())
+
+    def release(self, worker: str) -> None:
+        """End a ``hold``: the worker is live again if its subscriber says it is."""
+        if worker in self._held:
+            self._held.discard(worker)
+            self.index.set_live(worker, self._live_now(worker), self.clock())
+
+    def held(self, worker: str) -> bool:
+        return worker in self._held
+
+    def _live_now(self, worker: str) -> bool:
+        return (
+            self._want_live.get(worker, False)
+            and worker not in self._saltless
+            and worker not in self._held
+        )
 
 
 class KVEventFleet:
@@ -344,22 +393,41 @@ class KVEventFleet:
             del self._seen[name]
 
     def note_probe(self, worker: str, healthy: bool, process_start: float | None) -> None:
-        """A probe's outcome: a health flap or a new process start time voids what the worker's
-        events told us (a restarted engine's cache is empty; a flap may have lost events)."""
+        """A probe's outcome. A new process start time voids what the worker's events told us
+        (a restarted engine's cache is empty). A health flap does not (module docstring): the
+        worker's events are not trusted while it is not healthy, and its stream's continuity is
+        checked when it is again (`_recovered`). A probe without the start time keeps the last
+        one known, so that a later restart is still seen."""
         seen = self._seen.get(worker)
-        self._seen[worker] = (healthy, process_start)
         if seen is None:
+            self._seen[worker] = (healthy, process_start)
             return
-        if seen[0] and not healthy:
-            self.resync(worker, "health")
-        elif seen[1] is not None and process_start is not None and seen[1] != process_start:
+        was_healthy, was_start = seen
+        self._seen[worker] = (healthy, was_start if process_start is None else process_start)
+        if was_start is not None and process_start is not None and was_start != process_start:
+            self.sink.release(worker)  # reset: nothing left to verify
             self.resync(worker, "restart")
+        elif was_healthy and not healthy:
+            if worker in self._subs:
+                self.sink.hold(worker)
+        elif healthy and not was_healthy:
+            self._recovered(worker)
 
     def resync(self, worker: str, reason: str) -> None:
-        """The prober saw the worker restart or flap: what we knew of its cache is void."""
+        """The prober saw the worker restart: what we knew of its cache is void."""
         entry = self._subs.get(worker)
         if entry is not None:
             entry[1].resync(reason)
+
+    def _recovered(self, worker: str) -> None:
+        """Healthy again after a flap: its events are trusted again once its subscriber has
+        checked that the stream went on (`KVEventSubscriber.verify_continuity`)."""
+        if not self.sink.held(worker):
+            return
+        entry = self._subs.get(worker)
+        if entry is not None:
+            entry[1].verify_continuity()
+        self.sink.release(worker)
 
     def stats(self) -> dict[str, KVEventStats]:
         return {name: sub.stats for name, (_ep, sub) in self._subs.items()}

@@ -840,9 +840,11 @@ async def test_bad_endpoint_leaves_an_inert_subscriber() -> None:
     await sub.stop()
 
 
-def test_a_health_flap_or_a_new_process_voids_what_the_events_said() -> None:
-    """The fleet resyncs a worker's subscriber when a probe finds it down after up (events may
-    be lost) or running a new process (its cache is empty); a first probe or a steady one not."""
+def test_a_new_process_voids_what_the_events_said_and_a_health_flap_does_not() -> None:
+    """The fleet resyncs a worker's subscriber when a probe finds it running a new process (its
+    cache is empty); a first probe, a steady one or a health flap of the same process not (the
+    flap holds its events untrusted until the stream is shown to have gone on:
+    tests/workers/test_kv_flap_continuity.py)."""
     from scoring.precise import PreciseIndex
     from workers.kv_intake import KVEventFleet, PreciseSink
 
@@ -856,7 +858,7 @@ def test_a_health_flap_or_a_new_process_voids_what_the_events_said() -> None:
     fleet.note_probe("w0", False, 100.0)  # still down: once
     fleet.note_probe("w0", True, 250.0)  # back, restarted
     fleet.note_probe("w0", True, None)  # a scrape without the start time says nothing
-    assert calls == [("w0", "health"), ("w0", "restart")]
+    assert calls == [("w0", "restart")]
 
 
 def test_mla_and_sink_attention_blocks_hold_a_reusable_prefix_and_windows_do_not() -> None:
