@@ -57,9 +57,9 @@ the last ``pending_ttl_s``. What a worker's events may make it hold is bounded (
 its reported KV blocks times ``OFFLOAD_SLACK``, at most ``MAX_WORKER_BLOCKS``, ~140 MB); past the
 bound blocks are dropped (``_trim``: those held only off GPU first, then first stored first out,
 with a second chance for blocks dispatches were routed on), so a worker that over-claims is
-under-credited. The pending heap is compacted when it references more than twice the keys still
-pending (``_compact_pq``), so its memory follows what is pending, not every dispatch of the last
-``pending_ttl_s``.
+under-credited. The pending heap is compacted, a slice at a time, while it references more than
+twice the keys still pending (``_compact_some``), so its memory follows what is pending, not
+every dispatch of the last ``pending_ttl_s``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from operator import and_, countOf, eq, is_not, not_, rshift, sub
+from operator import and_, countOf, eq, not_, rshift, sub
 
 from scoring.prefix import chain_hashes_tokens
 
@@ -189,10 +189,12 @@ class PreciseIndex:
         # (expiry, seq, slot, keys): a heap, since dispatch_done moves expiries earlier. An entry
         # keeps its keys referenced after they stopped being pending (settled, stored, noted
         # again): _pq_keys counts the keys entries reference, _plive the (slot, key) entries
-        # pending, and the heap is compacted when the first outgrows the second (_compact_pq).
+        # pending, and the heap is compacted when the first outgrows the second (_compact_some).
         self._pq: list[tuple[float, int, int, Sequence[int]]] = []
         self._pseq = 0
         self._pq_keys = 0
+        self._pq_cur = 0  # where `_compact_some` goes on
+        self._pq_empty = 0  # entries it left with no key (popped or rebuilt away)
         self._plive = 0
         self._slot: dict[str, int] = {}
         self._names: list[str | None] = []
@@ -768,11 +770,16 @@ class PreciseIndex:
         if self._recap_due:
             self._recap(now)
         q = self._pq
+        if self._pq_keys > 2 * self._plive + _SLACK:  # a slice a query: drained while queried
+            self._compact_some(_SLACK)
         if not q or q[0][0] > now:
             return
         pend = self._pending
         while q and q[0][0] <= now:
             _, _, slot, keys = heapq.heappop(q)
+            if not keys:
+                self._pq_empty -= 1
+                continue
             self._pq_keys -= len(keys)
             pexp = self._pexp[slot]
             if not pexp:
@@ -790,52 +797,64 @@ class PreciseIndex:
                     else:
                         del pend[k]
             self._plive -= n0 - len(pexp)
-        if self._pq_keys > 2 * self._plive + _SLACK:
-            self._compact_pq()
 
     def _push(self, exp: float, slot: int, keys: Sequence[int]) -> None:
+        if type(keys) is not list:
+            keys = list(keys)  # the heap's own: `_compact_some` filters it in place
         self._pseq += 1
         heapq.heappush(self._pq, (exp, self._pseq, slot, keys))
-        self._pq_keys += len(keys)
+        n = len(keys)
+        self._pq_keys += n
         if self._pq_keys > 2 * self._plive + _SLACK:
-            self._compact_pq()
+            self._compact_some(4 * n + _SLACK)
 
-    def _compact_pq(self) -> None:
-        """Keep in the heap only what is still pending: each live (slot, key) once, in an entry
-        with its expiry. Entries otherwise keep referencing keys long gone: a dispatch's keys
-        until its pending_ttl_s (300 s) passed, even once done and settled or stored (3,000
-        finished requests of 2,048 blocks held 298 MiB). Called when the heap references more
-        than twice the live keys (plus a slack), it costs O(heap keys) in C-level calls (one
-        lookup a key), paid by the more than live-count keys pushed since the last call:
-        amortised O(1) a key."""
+    def _compact_some(self, budget: int) -> None:
+        """Filter, in place, the key lists of heap entries from a cursor on, each to the keys
+        whose pending expiry is still its own (entries otherwise keep keys referenced long
+        after they stopped pending: a dispatch's until its pending_ttl_s, 300 s, passed, even
+        once done and settled or stored; 3,000 finished requests of 2,048 blocks held 298 MiB).
+        At most ``budget`` keys looked at a call: the whole heap at once held the loop ~150 ms
+        at 600k keys. Each push pays for four times its own keys, so the pass keeps up with
+        what is pushed (amortised O(1) a key), and the heap references about twice the live
+        keys at most, plus slack. Entries left empty stay until popped, unless they outnumber
+        the rest: then the heap is rebuilt without them (O(entries), not keys)."""
         q = self._pq
+        n = len(q)
+        if not n:
+            return
+        i = self._pq_cur
+        pexps = self._pexp
         rep = itertools.repeat
-        # A key can sit in two entries of one expiry (noted twice at one `now`): then each
-        # kept key is also popped from a copy of its slot's pending, so it stays in one only.
-        firsts = {(slot, e) for e, _s, slot, _k in q}
-        left = [dict(p) if p else p for p in self._pexp] if len(firsts) < len(q) else None
-        out: list[tuple[float, int, int, Sequence[int]]] = []
-        total = 0
-        for e, seq, slot, keys in q:
-            pexp = self._pexp[slot]
+        removed = seen = 0
+        while budget > 0 and seen < n:
+            if i >= n:
+                i = 0
+            e, _seq, slot, keys = q[i]
+            i += 1
+            seen += 1
+            m = len(keys)
+            if not m:
+                continue
+            budget -= m
+            pexp = pexps[slot]
             if not pexp:
+                keys.clear()  # type: ignore[attr-defined]
+                removed += m
+                self._pq_empty += 1
                 continue
             ok = list(map(eq, map(pexp.get, keys), rep(e)))  # its expiry is this entry's
-            n = countOf(ok, True)
-            if not n:
-                continue
-            kept = keys if n == len(keys) else list(itertools.compress(keys, ok))
-            if left is not None:
-                got = list(map(left[slot].pop, kept, rep(None)))
-                if countOf(got, None):
-                    kept = list(itertools.compress(kept, map(is_not, got, rep(None))))
-                    if not kept:
-                        continue
-            out.append((e, seq, slot, kept))
-            total += len(kept)
-        heapq.heapify(out)
-        self._pq = out
-        self._pq_keys = total
+            k = countOf(ok, True)
+            if k != m:
+                keys[:] = itertools.compress(keys, ok)  # type: ignore[index]
+                removed += m - k
+                self._pq_empty += not k
+        self._pq_cur = i
+        self._pq_keys -= removed
+        if self._pq_empty > (n >> 1) + 64:
+            q[:] = [x for x in q if x[3]]
+            heapq.heapify(q)
+            self._pq_empty = 0
+            self._pq_cur = 0
 
     def _recap(self, now: float) -> None:
         """pending_ttl_s or settle_s was lowered: nothing pending expires later than it from
