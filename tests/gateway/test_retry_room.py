@@ -235,7 +235,7 @@ async def test_a_retry_whose_last_untried_worker_is_drained_is_answered_at_once(
     # was drained while the one it had tried still served, so nothing could admit it, and it
     # waited out its whole deadline, then read "no worker became free".
     release = asyncio.Event()
-    async with _two_workers(release, default_deadline_s=25) as (g, c, url, held):
+    async with _two_workers(release, default_deadline_s=25) as (g, c, url, _held):
         reg = g.gw.registry
         busy = next(n for n, w in reg.workers.items() if w.in_flight == 1)
         poison = asyncio.create_task(c.post(url, json=_body("poison")))
