@@ -578,6 +578,17 @@ class Settings(BaseSettings):
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"duplicate worker names: {sorted(dupes)}")
+        # One vLLM server's KV events credited to two workers (a copy-pasted endpoint): both
+        # would be routed on what only one of them holds.
+        publishers: dict[str, str] = {}
+        for w in self.workers:
+            if w.kv_events:
+                other = publishers.setdefault(w.kv_events, w.name)
+                if other != w.name:
+                    raise ValueError(
+                        f"workers {other!r} and {w.name!r} share kv_events {w.kv_events!r}: "
+                        "each worker's endpoint is its own server's"
+                    )
         seen: dict[str, str] = {}
         for name, t in self.tenants.items():
             for k in t.keys_sha256:

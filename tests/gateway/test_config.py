@@ -84,6 +84,11 @@ def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
             "duplicate",
         ),
         ('[[workers]]\nname="a"\nurl="ftp://x"\n', "workers.0.url"),
+        (  # one server's KV events credited to two workers
+            '[[workers]]\nname="a"\nurl="http://x"\nkv_events="tcp://h:5557"\n'
+            '[[workers]]\nname="b"\nurl="http://y"\nkv_events="tcp://h:5557"\n',
+            "share kv_events",
+        ),
         ('[routing]\npolicy = "bogus"\n', "routing.policy"),
         ("[routing.weights]\nprefix = -1\n", "routing.weights.prefix"),
         ("[routing.weights]\nprefix = nan\n", "finite"),
