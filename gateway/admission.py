@@ -178,6 +178,9 @@ class _Pool:
     retry: bool = False  # a queue of retries (``AdmissionController._retries``)
 
 
+_NO_RETRIES: dict[frozenset[str], _Pool] = {}  # a model with no retry waiting (never written)
+
+
 def _none_left(model: str) -> APIError:
     """A waiting retry whose untried workers have all stopped serving its model (drained,
     removed, unhealthy) while one it tried still does: it waited out its whole deadline, then
@@ -270,19 +273,10 @@ class AdmissionController:
             if self._closed is not None:
                 raise self._closed_error()
             return _FAST
-        if tried:
-            pools = self._retries.get(pool)
-            if pools is None:
-                pools = self._retries[pool] = {}
-            key: str | frozenset[str] = tried
-        else:
-            pools, key = self._pools, pool  # type: ignore[assignment]
-        p = pools.get(key)  # type: ignore[call-overload]
+        p = self._retries.get(pool, _NO_RETRIES).get(tried) if tried else self._pools.get(pool)
         if (p is None or not p.queue._size) and has_room() > self._granted:
             return _FAST
-        return await self._wait(
-            tenant, priority, weight, deadline_s, has_room, pool, cost, pools, key
-        )
+        return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost, tried)
 
     async def _wait(
         self,
@@ -293,14 +287,19 @@ class AdmissionController:
         has_room: Callable[[], int | bool],
         pool: str,
         cost: float,
-        pools: dict,  # type: ignore[type-arg]
-        key: str | frozenset[str],
+        tried: frozenset[str],
     ) -> Admitted:
         s = self.settings
         loop = self._loop = asyncio.get_running_loop()
-        p = pools.get(key)
-        if p is None:
-            p = pools[key] = _Pool(pool, self._new_queue(), retry=isinstance(key, frozenset))
+        if tried:
+            by_tried = self._retries.setdefault(pool, {})
+            p = by_tried.get(tried)
+            if p is None:
+                p = by_tried[tried] = _Pool(pool, self._new_queue(), retry=True)
+        else:
+            p = self._pools.get(pool)
+            if p is None:
+                p = self._pools[pool] = _Pool(pool, self._new_queue())
         now = self._clock()
         if deadline_s is None:
             deadline_s = s.default_deadline_s
