@@ -19,11 +19,10 @@ deferred or dropped settlement costs its tenant the slot for at most one lease T
 
 Only an outage (`QuotaStoreUnavailable`) keeps an entry waiting and counts against the breaker,
 at admission as at settlement. Any other store error is the store answering that this entry (or
-admission) cannot be applied (another app wrote
-at one of the tenant's keys: WRONGTYPE): the breaker is shared by every tenant, so counting it
-there would refuse or degrade them all on a healthy store, and the entry would be retried for
-ever in front of the others. Such an entry is retried a few times, then dropped (logged, counted);
-its lease expires by age.
+admission) cannot be applied (another app wrote at one of the tenant's keys: WRONGTYPE): the
+breaker is shared by every tenant, so counting it there would refuse or degrade them all on a
+healthy store, and the entry would be retried for ever in front of the others. Such an entry
+is retried a few times, then dropped (logged, counted); its lease expires by age.
 """
 
 from __future__ import annotations
