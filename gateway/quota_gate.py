@@ -52,6 +52,8 @@ from gateway.quota_memory import DegradedLocalStore, MemoryQuotaStore
 from gateway.tenancy import Tenant
 
 log = logging.getLogger("kvgate.quota")
+# A tenant whose admissions the store refuses (not an outage) is logged at most this often.
+REFUSED_LOG_EVERY_S = 60.0
 
 # Store errors that are not an outage before a deferred settlement is given up: it is retried in
 # case the error was passing (a key repaired), not for ever (each try costs a round trip, and on
@@ -129,6 +131,8 @@ class QuotaGate:
             on_transition=self._transition,
         )
         self._deferred: OrderedDict[str, _Deferred] = OrderedDict()  # oldest first
+        # tenant -> (when its store refusal was last logged, refusals since): `_log_refused`
+        self._refused_logged: dict[str, tuple[float, int]] = {}
         # The same entries by tenant, oldest first: an admission finds its tenant's without a walk
         # of the whole backlog (up to `max_deferred_settlements`).
         self._deferred_by: dict[str, dict[str, _Deferred]] = {}
@@ -160,6 +164,24 @@ class QuotaGate:
         await self.shared.close()
         await self.degraded.close()
 
+    def _log_refused(self, tenant: str, e: QuotaStoreError) -> None:
+        """A store refusing a tenant's admissions (its keys clobbered) refuses every one of
+        them: one error line per tenant and REFUSED_LOG_EVERY_S, with the count since the
+        last, instead of one per request."""
+        now = time.monotonic()
+        last = self._refused_logged.get(tenant)
+        if last is not None and now - last[0] < REFUSED_LOG_EVERY_S:
+            self._refused_logged[tenant] = (last[0], last[1] + 1)
+            return
+        self._refused_logged[tenant] = (now, 0)
+        log.error(
+            "quota store refused an admission of tenant %s (%d more since the last line; "
+            "its failure mode answers them): %s",
+            tenant,
+            last[1] if last is not None else 0,
+            str(e),
+        )
+
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request_id: str, model: str, tokens: int) -> Ticket:
         m = self.metrics
@@ -183,8 +205,8 @@ class QuotaGate:
                 # replied is up, and one tenant's key that another app overwrote (WRONGTYPE on
                 # every admit) opened it, so fail-closed tenants got 503 and the rest degraded
                 # limits on a healthy Redis (review). Such a reply costs no wait to repeat.
-                _log_store_failure("quota store unavailable", e)
                 if isinstance(e, QuotaStoreUnavailable):
+                    _log_store_failure("quota store unavailable", e)
                     self.breaker.record_failure(time.monotonic())
                     # The script may have run with its reply lost (a timeout, Redis killed
                     # after the write): a full refund for this id, replayed later, frees what
@@ -197,6 +219,7 @@ class QuotaGate:
                     # tenant replayed up to INLINE_REPLAY of them first, a round trip and a log
                     # line each (review).
                     self.breaker.record_success(time.monotonic())
+                    self._log_refused(tenant.name, e)
             except asyncio.CancelledError:
                 # Cancelled mid-call (a drain whose grace ended cuts walks not yet sent to a
                 # worker): the script may have run on the store with its reply still on the

@@ -128,7 +128,7 @@ async def test_a_refused_settlement_neither_trips_the_breaker_nor_stalls_the_bac
 
 
 async def test_a_tenants_refused_admissions_do_not_open_the_breaker_for_everyone(
-    own_redis: RedisServer,
+    own_redis: RedisServer, records: list[logging.LogRecord]
 ) -> None:
     # Review finding: an admission the store refused (WRONGTYPE at one tenant's key) counted on
     # the breaker every tenant shares, so on a healthy Redis a fail-closed tenant got 503s.
@@ -144,6 +144,8 @@ async def test_a_tenants_refused_admissions_do_not_open_the_breaker_for_everyone
             await g.settle(t, 10)
         assert g.breaker.state.value == "closed"
         assert g.deferred == 0  # a refused script wrote nothing: no refund to replay per admit
+        said = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+        assert len(said) == 1 and "tenant bad" in said[0], said  # one line, not one a request
         t = await g.admit(hard, "h-1", "m", 10)  # the store is healthy: it serves the others
         assert t.store is g.shared
         await g.settle(t, 10)
