@@ -66,13 +66,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
 from operator import and_, countOf, eq, not_, rshift, sub
 
 from scoring.prefix import chain_hashes_tokens
 
-__all__ = ["MAX_WORKER_BLOCKS", "OFFLOAD_SLACK", "PreciseIndex"]
+__all__ = ["MAX_WORKER_BLOCKS", "OFFLOAD_SLACK", "KeyedBlockSizes", "PreciseIndex"]
 
 # What one worker's events may make the index hold: they come from the worker, and nothing else
 # bounds them (one 4 MiB batch can name 650,000 blocks of one token, ~270 bytes each here). An
@@ -142,6 +142,59 @@ def _unmask(d: dict[int, int], keys: list[int], keep: int, every: bool) -> dict[
     return d
 
 
+class KeyedBlockSizes:
+    """The block size each worker's KV events are keyed at, for one precise index.
+
+    A request's ``block_chain`` is cut at one block size (``RouteRequest.block_tokens``: the
+    first candidate's in token mode, ``token_block_size`` for token-id prompts), while every
+    worker's events are keyed at its own (``workers.kv_intake.PreciseSink``). A worker at another
+    size can never match the chain; trusting its (empty) precise figure would also throw away
+    what the approximate index learned of it, so ``RoutingState.matches`` leaves it out of
+    ``trusted`` for that request. ``uniform`` makes that free for the usual fleet: the one size
+    every known worker is keyed at (0: none known yet, -1: mixed sizes).
+    """
+
+    __slots__ = ("_count", "of", "uniform")
+
+    def __init__(self) -> None:
+        self.of: dict[str, int] = {}  # worker -> block size of its last keyed store
+        self._count: Counter[int] = Counter()  # block size -> workers keyed at it
+        self.uniform = 0
+
+    def set(self, worker: str, block_size: int) -> None:
+        old = self.of.get(worker)
+        if old == block_size:
+            return
+        if old is not None:
+            self._drop_count(old)
+        self.of[worker] = block_size
+        self._count[block_size] += 1
+        self._settle()
+
+    def drop(self, worker: str) -> None:
+        old = self.of.pop(worker, None)
+        if old is not None:
+            self._drop_count(old)
+            self._settle()
+
+    def left_out(self, trusted: frozenset[str], block_size: float) -> frozenset[str]:
+        """The ``trusted`` workers whose events are keyed at another block size than
+        ``block_size`` (those not known yet are taken to be keyed at it)."""
+        of = self.of
+        return frozenset(w for w in trusted if of.get(w, block_size) != block_size)
+
+    def _drop_count(self, size: int) -> None:
+        n = self._count[size] - 1
+        if n > 0:
+            self._count[size] = n
+        else:
+            del self._count[size]
+
+    def _settle(self) -> None:
+        c = self._count
+        self.uniform = next(iter(c)) if len(c) == 1 else (-1 if c else 0)
+
+
 class PreciseIndex:
     """Per-worker blocks as reported by KV events, keyed by the gateway's own chained block keys.
 
@@ -183,6 +236,8 @@ class PreciseIndex:
         self.unkeyed: dict[str, int] = {}
         # key -> holder mask, two bits per slot: 2s = held (any tier), 2s+1 = held off-GPU only.
         self._holders: dict[int, int] = {}
+        # Worker -> the block size its events are keyed at (the sink sets it; routing reads it).
+        self.keyed_sizes = KeyedBlockSizes()
         self._offl = 0  # (worker, key) pairs held off-GPU only: match skips the check when 0
         # key -> mask of slots (bit 2s) with an unexpired dispatch of that key.
         self._pending: dict[int, int] = {}

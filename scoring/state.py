@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import random
 import time
-import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -23,76 +21,10 @@ from scoring.precise import PreciseIndex
 from scoring.session import SessionTable
 from scoring.views import RouteRequest, RoutingOptions, Weights, WorkerView
 
-__all__ = ["KeyedBlockSizes", "RoutingState", "keyed_block_sizes"]
+__all__ = ["RoutingState"]
 
 # `RoutingState.forgot_at` is pruned at twice its size after the last pruning, at least this.
 _FORGOT_MIN = 1024
-
-
-class KeyedBlockSizes:
-    """The block size each worker's KV events are keyed at, for one precise index.
-
-    A request's ``block_chain`` is cut at one block size (``RouteRequest.block_tokens``: the
-    first candidate's in token mode, ``token_block_size`` for token-id prompts), while every
-    worker's events are keyed at its own (``workers.kv_intake.PreciseSink``). A worker at another
-    size can never match the chain; trusting its (empty) precise figure would also throw away
-    what the approximate index learned of it, so ``RoutingState.matches`` leaves it out of
-    ``trusted`` for that request. ``uniform`` makes that free for the usual fleet: the one size
-    every known worker is keyed at (0: none known yet, -1: mixed sizes).
-    """
-
-    __slots__ = ("_count", "of", "uniform")
-
-    def __init__(self) -> None:
-        self.of: dict[str, int] = {}  # worker -> block size of its last keyed store
-        self._count: Counter[int] = Counter()  # block size -> workers keyed at it
-        self.uniform = 0
-
-    def set(self, worker: str, block_size: int) -> None:
-        old = self.of.get(worker)
-        if old == block_size:
-            return
-        if old is not None:
-            self._drop_count(old)
-        self.of[worker] = block_size
-        self._count[block_size] += 1
-        self._settle()
-
-    def drop(self, worker: str) -> None:
-        old = self.of.pop(worker, None)
-        if old is not None:
-            self._drop_count(old)
-            self._settle()
-
-    def left_out(self, trusted: frozenset[str], block_size: float) -> frozenset[str]:
-        """The ``trusted`` workers whose events are keyed at another block size than
-        ``block_size`` (those not known yet are taken to be keyed at it)."""
-        of = self.of
-        return frozenset(w for w in trusted if of.get(w, block_size) != block_size)
-
-    def _drop_count(self, size: int) -> None:
-        n = self._count[size] - 1
-        if n > 0:
-            self._count[size] = n
-        else:
-            del self._count[size]
-
-    def _settle(self) -> None:
-        c = self._count
-        self.uniform = next(iter(c)) if len(c) == 1 else (-1 if c else 0)
-
-
-# One table per precise index, shared by the sink that feeds the index and the routing state that
-# reads it (they meet at the index only); weakly keyed, so an index dropped takes its table along.
-_KEYED: weakref.WeakKeyDictionary[PreciseIndex, KeyedBlockSizes] = weakref.WeakKeyDictionary()
-
-
-def keyed_block_sizes(index: PreciseIndex) -> KeyedBlockSizes:
-    """The block sizes ``index``'s workers are keyed at (the same object for every caller)."""
-    t = _KEYED.get(index)
-    if t is None:
-        t = _KEYED[index] = KeyedBlockSizes()
-    return t
 
 
 class RoutingState:
@@ -109,10 +41,6 @@ class RoutingState:
         # What workers with KV events really hold; fed by their events, not by our decisions, so
         # it survives option changes (its keys depend on token ids and block size only).
         self.precise = precise
-        # The block sizes its workers' events are keyed at (`matches`), and the index they are of
-        # (`precise` may be replaced).
-        self._sizes_of = precise
-        self._sizes = keyed_block_sizes(precise) if precise is not None else KeyedBlockSizes()
         self.sessions = SessionTable(o.session_ttl_s, o.session_max, o.session_active_s)
         # Set by a gateway whose replicas share what they learn (gateway.cluster): every dispatch
         # is noted here for the others, besides being learned locally.
@@ -163,7 +91,7 @@ class RoutingState:
 
         A worker whose events are keyed at another block size than the request's block chain
         (a fleet of mixed block sizes) cannot match that chain, so it is not trusted for this
-        request: its figure is the approximate index's (``KeyedBlockSizes``)."""
+        request: its figure is the approximate index's (``PreciseIndex.keyed_sizes``)."""
         chain = request.chain
         matches = self.index.match(chain) if chain else {}
         precise = self.precise
@@ -172,10 +100,7 @@ class RoutingState:
         trusted = precise.trusted(now)
         if not trusted:
             return matches, _NOBODY
-        sizes = self._sizes
-        if self._sizes_of is not precise:
-            self._sizes_of = precise
-            self._sizes = sizes = keyed_block_sizes(precise)
+        sizes = precise.keyed_sizes
         u = sizes.uniform
         if u and u != request.block_tokens:  # some worker is keyed at another block size
             trusted = trusted - sizes.left_out(trusted, request.block_tokens)

@@ -22,7 +22,7 @@ reconnect (our last batch still in the replay, byte for byte, or else the next b
 number), which resets only on a gap or a new publisher. A new process start time (a restart the
 probes saw) still resets at once.
 
-Why the block size each worker's events are keyed at is kept (``scoring.state.KeyedBlockSizes``):
+Why the block size each worker's events are keyed at is kept (``scoring.precise.KeyedBlockSizes``):
 a request's block chain is cut at one block size, and a worker keyed at another one cannot match
 it; routing then uses the approximate index's figure for it instead.
 """
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from scoring.precise import PreciseIndex
 from scoring.prefix import seed_for
-from scoring.state import keyed_block_sizes
 from workers.kv_events import KVEventStats, KVEventSubscriber
 from workers.kv_wire import (
     UNKEYABLE_LORA_NAME,
@@ -140,7 +139,7 @@ class PreciseSink:
         # fleet while the prober finds them not healthy (`KVEventFleet.note_probe`).
         self._held: set[str] = set()
         # Worker -> the block size its stores are keyed at, read by routing (`RoutingState`).
-        self.block_sizes = keyed_block_sizes(index)
+        self.block_sizes = index.keyed_sizes
 
     def apply(self, worker: str, events: Sequence[KVEvent]) -> None:
         for _ in self.apply_steps(worker, events):

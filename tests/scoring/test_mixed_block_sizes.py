@@ -88,10 +88,9 @@ def test_a_single_size_fleet_is_trusted_as_before() -> None:
 
 
 def test_sizes_follow_the_workers() -> None:
-    from scoring.state import keyed_block_sizes
 
     state, sink = fleet({"w16": 16, "w32": 32})
-    sizes = keyed_block_sizes(sink.index)
+    sizes = sink.index.keyed_sizes
     assert sizes.uniform == -1
     sink.reset("w32", "restart")  # a new engine may key at another size: learned anew
     assert sizes.of == {"w16": 16} and sizes.uniform == 16
