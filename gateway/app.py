@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import logging
 import random
-import re
 import time
 from collections.abc import Collection, Coroutine
 from pathlib import Path
@@ -45,7 +44,7 @@ from gateway.core_settings import (
 )
 from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_tokens
 from gateway.errors import APIError, bad_request, model_not_found, no_capacity
-from gateway.ids import echo_headers, next_request_id
+from gateway.ids import client_rid_ok, echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
 from gateway.lifecycle import Lifecycle
 from gateway.logs import setup_logging
@@ -58,7 +57,7 @@ from gateway.metrics import (
 )
 from gateway.proxy import Proxy
 from gateway.quota_gate import QuotaGate, Ticket
-from gateway.server import CLIENT_RID, HEAD_AT, DisconnectWatch
+from gateway.server import HEAD_AT, DisconnectWatch
 from gateway.settlement import Settlement
 from gateway.slots import Slots, canary_pool
 from gateway.tenancy import (
@@ -90,9 +89,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway")
 
 _WATCH_AFTER_S = 0.05  # another server: a dispatch waiting this long gets a disconnect watcher
-# Matched whole (`fullmatch`): `$` also matches before a trailing newline. The server checks
-# the ids it echoes outside the walk with the same pattern.
-_RID_OK = re.compile(CLIENT_RID.decode())
 _UNTRIED: frozenset[str] = frozenset()  # a first attempt's tried set (no allocation)
 _CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
 # The load a record counts for requests still running on it (dispatched, prefill queued, KV on
@@ -730,7 +726,7 @@ class Gateway:
         rid = next_request_id()
         hdrs = request_headers(request.scope)
         client_rid = hdrs.get("x-request-id") or None
-        if client_rid is not None and not _RID_OK.fullmatch(client_rid):
+        if client_rid is not None and not client_rid_ok(client_rid):
             client_rid = None
         echo = echo_headers(rid, client_rid)
         # From the complete request head when the server says (gateway.server), so a loop busy

@@ -21,11 +21,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.app import _RID_OK, Gateway
+from gateway.app import Gateway
 from gateway.config import Settings
 from gateway.endpoints import Endpoints
 from gateway.errors import APIError
-from gateway.ids import next_request_id
+from gateway.ids import echo_raw
 from gateway.server import HEAD_AT
 from gateway.validate import CHAT, COMPLETIONS
 
@@ -169,27 +169,9 @@ class FastPathApp:
         """A refusal before anything is read: its prebuilt envelope with the ids every response
         carries (`gateway.ids.echo_headers`), counted, and logged as a request line within the
         edge's budget (`EDGE_LINES_PER_S`)."""
-        rid = next_request_id()
-        client_rid = None
-        for k, v in scope["headers"]:
-            if k == b"x-request-id":
-                client_rid = v.decode("latin-1")
-                if not _RID_OK.fullmatch(client_rid):
-                    client_rid = None
-                break
+        rid, client_rid, ids = echo_raw(scope["headers"])
         body, headers, message = prebuilt
-        rid_b = rid.encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    *headers,
-                    (b"x-request-id", client_rid.encode() if client_rid else rid_b),
-                    (b"x-kvgate-request-id", rid_b),
-                ],
-            }
-        )
+        await send({"type": "http.response.start", "status": status, "headers": headers + ids})
         await send({"type": "http.response.body", "body": body})
         now = time.perf_counter()
         self._gw.life.rejected(

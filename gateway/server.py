@@ -80,7 +80,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from gateway.client_socket import AckProbe
 from gateway.config import ServerSettings
 from gateway.errors import error_body
-from gateway.ids import next_request_id
+from gateway.ids import echo_raw, next_request_id
 from gateway.validate import CHAT, COMPLETIONS
 
 log = logging.getLogger("kvgate.server")
@@ -170,8 +170,6 @@ def _with_id(response: bytes) -> bytes:
 # on each of its responses itself, so the server adds nothing there (see `_with_ids`).
 _WALK_PATHS = frozenset({CHAT, COMPLETIONS})
 # A client's request id that is echoed back (else ours is): gateway.app checks the walk's with it.
-CLIENT_RID = rb"[A-Za-z0-9._:-]{1,128}"
-_client_rid_ok = re.compile(CLIENT_RID).fullmatch
 _RID_FIELD = b"x-kvgate-request-id"
 
 
@@ -187,15 +185,7 @@ def _with_ids(send: Callable[[Any], Awaitable[None]], request_headers: list[Any]
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", ()))
             if not any(k.lower() == _RID_FIELD for k, _ in headers):
-                rid = next_request_id().encode()
-                echo = rid
-                for k, v in request_headers:
-                    if k == b"x-request-id":
-                        if _client_rid_ok(v):
-                            echo = v
-                        break
-                headers += ((b"x-request-id", echo), (_RID_FIELD, rid))
-                message = {**message, "headers": headers}
+                message = {**message, "headers": headers + echo_raw(request_headers)[2]}
         await send(message)
 
     return send_with_ids
