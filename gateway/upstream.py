@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import httpx
+from aiohttp.client_proto import ResponseHandler
 
 
 class UpstreamConnectError(Exception):
@@ -119,13 +121,40 @@ def _connect_timeout(connect_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, connect=connect_s)
 
 
-class _Attempt:
-    """One request's trip through `_Connector.connect`: was its connection a pooled one?"""
+class _Handler(ResponseHandler):
+    """aiohttp's protocol, noting whether a byte came since its connection was last handed
+    out: whether a failed request may be sent again (`_Attempt.unanswered`) turns on that, and
+    aiohttp's errors do not tell it (a reset after part of a head is a ClientOSError like one
+    before any byte; an EOF after a few bytes under its pure-Python parser looks like one with
+    none). Noted here, before any parser, so the answer does not depend on one."""
 
-    __slots__ = ("reused",)
+    __slots__ = ("answered",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.answered = False
+
+    def data_received(self, data: bytes) -> None:
+        self.answered = True
+        super().data_received(data)
+
+
+class _Attempt:
+    """One request's trip through `_Connector.connect`: was its connection a pooled one, and
+    has the worker sent a byte on it since?"""
+
+    __slots__ = ("proto", "reused")
 
     def __init__(self) -> None:
         self.reused = False
+        self.proto: _Handler | None = None
+
+    def unanswered(self) -> bool:
+        """The request went out on a pooled connection and not a byte came back on it: the
+        worker closed it idle and never ran the request, so a resend cannot run it twice. A
+        byte of answer means the worker had it: never sent again. A connection not known to
+        be ours (`_Handler`) counts as answered: no resend on a guess."""
+        return self.reused and self.proto is not None and not self.proto.answered
 
 
 # The attempt of the request this task is sending (`AiohttpUpstream._send`): aiohttp awaits the
@@ -143,6 +172,8 @@ class _Connector(aiohttp.TCPConnector):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self._served: weakref.WeakSet[object] = weakref.WeakSet()
+        # aiohttp builds each connection's protocol with this (no public hook for it).
+        self._factory = functools.partial(_Handler, loop=self._loop)
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
         conn = await super().connect(req, traces, timeout)
@@ -150,29 +181,23 @@ class _Connector(aiohttp.TCPConnector):
         attempt = _ATTEMPT.get()
         if attempt is not None:
             attempt.reused = proto in self._served
+            if isinstance(proto, _Handler):
+                proto.answered = False  # what came before was an earlier request's answer
+                attempt.proto = proto
         if proto is not None:
             self._served.add(proto)
         return conn
 
 
-# Failures of a pooled connection the worker closed before a byte of answer: EOF
-# (ServerDisconnectedError), a reset or a write to it once closed (ClientOSError,
-# ClientConnectionResetError). Connect errors (ClientConnectorError) are never a pooled one's.
+# How a pooled connection the worker closed ends a request: EOF (ServerDisconnectedError), a
+# reset or a write to it once closed (ClientOSError, ClientConnectionResetError). Whether a byte
+# of answer came first, none of them says: `_Attempt.unanswered` does. (A connect error,
+# ClientConnectorError, is never a pooled connection's: its attempt has no protocol.)
 _STALE = (
     aiohttp.ServerDisconnectedError,
     aiohttp.ClientOSError,
     aiohttp.ClientConnectionResetError,
 )
-
-
-def _stale(e: BaseException) -> bool:
-    """``e`` (from a pooled connection) says nothing of the answer came: an EOF that cut a head
-    short carries the partial head as its message (a string only when no byte came)."""
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return False
-    if isinstance(e, aiohttp.ServerDisconnectedError):
-        return isinstance(e.message, str)
-    return True
 
 
 class AiohttpUpstream:
@@ -191,13 +216,10 @@ class AiohttpUpstream:
       keep-alive closed it as the request went out) is resent once on a new connection
       (`_resend`, as `H1Upstream._resend`, whose docstring says why that is safe). aiohttp
       resends only idempotent methods, never a POST: the request failed as a 502 and the worker
-      was blamed. Which connection was pooled, aiohttp does not say: `_Connector` tells.
-
-    Not told apart: a head cut short by a reset (not an EOF) on a pooled connection is resent
-    like one with no byte of answer (aiohttp's ClientOSError carries no partial head), and so
-    is an EOF after a few bytes of status line under aiohttp's pure-Python parser
-    (``AIOHTTP_NO_EXTENSIONS``; its C parser reports any byte). uvicorn writes a head whole, so
-    either is a worker dying mid-write, whose new connection fails."""
+      was blamed. Which connection was pooled, and whether a byte came back on it, aiohttp
+      does not say: `_Connector` and its `_Handler` tell. A head cut short (by an EOF or a
+      reset) means the worker had the request: never resent, as running it twice would
+      generate (and count tokens) twice."""
 
     def __init__(self, *, connect_s: float, max_connections: int, keepalive_s: float) -> None:
         self.max_connections = max_connections
@@ -294,7 +316,7 @@ class AiohttpUpstream:
                 url, data=body, headers=headers, allow_redirects=False, timeout=self._timeout
             )
         except _STALE as e:
-            if not (attempt.reused and _stale(e)):
+            if not attempt.unanswered():
                 raise UpstreamConnectError(str(e) or type(e).__name__) from e
         except (aiohttp.ClientError, OSError) as e:
             # Any failure before the head (a malformed one included: ClientResponseError) is
