@@ -458,6 +458,22 @@ _CHECKS: dict[str, Callable[[str, Any, dict[str, Any], bool], None]] = {
     "seed": _seed,
     "stop": _stop,
     "use_beam_search": _bool,
+    # Switches the gateway reads itself, by identity (`is False`): vLLM's request model takes
+    # 0, "false", "no" or "off" for False, so a spelling the gateway did not treat as False
+    # hid the reasoning from a stream cut while reasoning (no events, no live usage) and had
+    # it charged the prompt estimate instead of the reservation: max_tokens of compute for
+    # the price of the prompt. The others decide what is rendered and counted against the
+    # token caps (a BOS, the generation prompt, the echoed prompt).
+    **dict.fromkeys(
+        (
+            "include_reasoning",
+            "add_special_tokens",
+            "add_generation_prompt",
+            "continue_final_message",
+            "echo",
+        ),
+        _bool,
+    ),
     "logprobs": _logprobs,
     "top_logprobs": _top_logprobs,
     "cache_salt": _cache_salt,
@@ -553,6 +569,9 @@ def parse_request(
             raise bad_request(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
+        for k in ("include_usage", "continuous_usage_stats"):
+            if (v := opts.get(k)) is not None and not isinstance(v, bool):
+                raise bad_request(f"`stream_options.{k}` must be a boolean", "stream_options")
         wants_usage = opts.get("include_usage") is True
     wants_live = wants_usage and opts is not None and opts.get("continuous_usage_stats") is True
     modified = False

@@ -194,6 +194,24 @@ def msgs(*m: object) -> bytes:
         (CHAT, chat_body(top_logprobs=3), "top_logprobs"),
         (CHAT, chat_body(top_logprobs=3, logprobs=False), "top_logprobs"),
         (CHAT, chat_body(use_beam_search="yes"), "use_beam_search"),
+        # vLLM reads these spellings as False; the gateway read only `false` so (a stream cut
+        # while reasoning was charged the prompt, not the reservation).
+        (CHAT, chat_body(include_reasoning=0), "include_reasoning"),
+        (CHAT, chat_body(include_reasoning="false"), "include_reasoning"),
+        (CHAT, chat_body(add_generation_prompt="no"), "add_generation_prompt"),
+        (CHAT, chat_body(continue_final_message=1), "continue_final_message"),
+        (CHAT, chat_body(add_special_tokens="off"), "add_special_tokens"),
+        (COMPLETIONS, body(model="m", prompt="x", echo="true"), "echo"),
+        (
+            CHAT,
+            chat_body(stream=True, stream_options={"include_usage": "true"}),
+            "stream_options",
+        ),
+        (
+            CHAT,
+            chat_body(stream=True, stream_options={"continuous_usage_stats": 0}),
+            "stream_options",
+        ),
         (COMPLETIONS, body(model="m", prompt=""), "prompt"),
         (COMPLETIONS, body(model="m", prompt=["a", ""]), "prompt"),
         (COMPLETIONS, body(model="m", prompt=[""]), "prompt"),
@@ -227,6 +245,8 @@ def test_malformed_fields_are_400_naming_the_field(path: str, raw: bytes, param:
         (CHAT, chat_body(seed=2**63 - 1)),
         (CHAT, chat_body(seed=-(2**63))),
         (CHAT, chat_body(n=2, best_of=2, use_beam_search=True)),
+        (CHAT, chat_body(include_reasoning=False, add_generation_prompt=True, echo=False)),
+        (CHAT, chat_body(continue_final_message=None, add_special_tokens=None)),
         (CHAT, chat_body(stop="x")),
         (CHAT, chat_body(stop=[])),
         (CHAT, chat_body(logprobs=True, top_logprobs=5)),
