@@ -10,6 +10,7 @@ queued-prefill tokens) and reads everyone else's, in ONE pipelined round trip:
     HSET    <prefix>load <replica id> <snapshot>   (the replica's heartbeat too: seq moves)
     PEXPIRE <prefix>load <10 x expiry>             (the hash goes away with the last replica)
     HGETALL <prefix>load
+    TIME                                           (dates the snapshots read: see the end)
     HDEL    <prefix>load <expired ids>             (only when a peer has just expired)
 
 and, at the same time, in a pipeline and a timeout of its own (what replicas learn, below):
@@ -101,6 +102,10 @@ What is replayed must stay true, and the same on every replica:
   start (a warm start's history; NTP-synced hosts, ``LEARNED_RESTART_SLACK_S``). No wire change.
   Notes taken while a worker's start is unknown are checked once it is (`_verify_starts`), and a
   started replica reads the history after the first probes (`_starts_known`);
+- a name moved to a new server is another worker, for notes as for load: a batch names its
+  workers' URLs, and readers skip notes about a server their fleet does not run under that name
+  (an older peer's batch names none: by name, as before). Chains are recorded only between
+  replicas that key the worker's models alike, token or text mode (`_chainless`);
 - session turns are resolved in the stream's order when concurrent (`SessionTable.learn`), an
   order every replica reads the same, so a replica also reads back its own entries, for their
   session notes only.
@@ -108,10 +113,15 @@ What is replayed must stay true, and the same on every replica:
 Liveness is judged on each reader's own clock (`workers.load_view`): a peer whose sequence number
 has not moved for ``expiry_s`` counts for nothing, and readers delete its field (only one whose
 heartbeat stood still for ``expiry_s`` while they were reading: not after their own pause or
-outage). Redis down: every sync fails fast, the outage is logged once (and its end once),
-``kvgate_cluster_state`` says ``degraded``, the peers' contributions lapse after ``expiry_s``
-(routing on the local view, never on counts that only grow staler), and the next successful round
-trip restores everything.
+outage). A replica that starts has no reads of its own to judge by, so a snapshot carries when it
+was written on Redis' clock (the last ``TIME`` this replica read, plus its own clock's seconds
+since; left out once that is older than ``expiry_s``), and the ``TIME`` of a read tells how long
+each snapshot stood unchanged: a replica restarted after a SIGKILL sees its predecessor's snapshot
+as old as it is, not as a live peer's for a fresh ``expiry_s``; one it saw once, undated, and that
+a sibling has deleted since is dropped. Redis down: every sync fails fast, the outage is logged
+once (and its end once), ``kvgate_cluster_state`` says ``degraded``, the peers' contributions lapse
+after ``expiry_s`` (routing on the local view, never on counts that only grow staler), and the
+next successful round trip restores everything.
 """
 
 from __future__ import annotations
@@ -124,7 +134,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -141,7 +151,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.config import ClusterSettings
 from scoring.learned import Journal, Learned, apply_learned
 from scoring.state import RoutingState
-from workers.learned_share import decode_batch, frame_batch, pack_entry
+from workers.learned_share import decode_frame, frame_batch, pack_entry
 from workers.load_view import Load, LoadView, encode_snapshot
 from workers.registry import Registry
 from workers.worker import Worker
@@ -232,13 +242,18 @@ class _Outgoing:
     ``key``: the routing options its rows' chains were hashed under (``RoutingState.key`` when
     they left the journal), what it is framed with: a reload that changes the key meanwhile
     must not pass them off as hashed under the new one (peers would record meaningless chains).
-    A batch never mixes keys."""
+    A batch never mixes keys. ``models``: likewise, the models keyed by tokens when its rows were
+    packed (None: not known here). ``urls``: the URL of each worker its rows are about, when
+    they were packed; a batch never names two for one worker (a reload moved it between two
+    packs), so a reader can take each row into its own worker of that name and URL alone."""
 
-    __slots__ = ("key", "rows", "sent", "seq", "size")
+    __slots__ = ("key", "models", "rows", "sent", "seq", "size", "urls")
 
-    def __init__(self, seq: int, key: tuple[int, ...]) -> None:
+    def __init__(self, seq: int, key: tuple[int, ...], models: frozenset[str] | None) -> None:
         self.seq = seq
         self.key = key
+        self.models = models
+        self.urls: dict[str, str] = {}
         self.rows: list[bytes] = []
         self.size = 0
         self.sent = False
@@ -262,8 +277,14 @@ class ClusterSync:
         clock: Callable[[], float] = time.monotonic,
         state: RoutingState | None = None,
         retired: Callable[[], Iterable[Worker]] | None = None,
+        token_models: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.registry = registry
+        # The served models this replica keys in token mode now (`[routing.token_mode]`): its
+        # batches say which, and a peer's chains about a model keyed the other way are not
+        # recorded (they can never match). None: not known, batches go out without it, and
+        # peers' chains are taken as an older version took them.
+        self.token_models = token_models
         # Worker records this replica's fleet no longer holds (a reload or /admin/workers removed
         # the worker, or pointed its name at a new URL) whose requests still run on that server:
         # their load is published too (`local_loads`).
@@ -287,6 +308,10 @@ class ClusterSync:
         # When the last successful round trip was sent, on this clock: what it read was Redis'
         # state at that time or later (`_sync_load` judges peers' expiry as of it).
         self._read_sent_at: float | None = None
+        # Redis' clock (its TIME, ms) as of the last successful round trip, and when that was on
+        # this clock: a snapshot's write time on Redis' clock (`_redis_ms`).
+        self._redis_ms_read: int | None = None
+        self._redis_ms_read_at = 0.0
         self.down_since = 0.0
         self.failures = 0
         self.outages = 0
@@ -319,6 +344,11 @@ class ClusterSync:
         self._replaying: list[Learned] = []
         self._replayed = 0
         self._replay_chains = True
+        # The batch's worker URLs and token-mode models (None: an older publisher's batch).
+        self._replay_urls: dict[str, str] | None = None
+        self._replay_models: frozenset[str] | None = None
+        # Token-mode models when the journal was last packed: a change means a reload.
+        self._packed_models = self._keyed_models()
         self._replay_own = False  # the batch being replayed is this replica's own, read back
         self._replay_epoch = 0.0  # its notes' epoch seconds less their time on this clock
         # Worker -> the epoch time of the earliest note applied while its process start was
@@ -470,7 +500,7 @@ class ClusterSync:
 
     async def _sync_load(self) -> bool:
         self.seq += 1
-        blob = encode_snapshot(self.seq, self.local_loads())
+        blob = encode_snapshot(self.seq, self.local_loads(), at_ms=self._redis_ms(self.clock()))
         # Peers this replica saw go quiet while it was reading Redis: expired as of its last
         # successful read, not as of now. After a gap in its own reads, every peer looks expired
         # to a view that could not read: a replica whose link was down past expiry_s, or whose
@@ -492,6 +522,7 @@ class ClusterSync:
                 pipe.hset(self.key, self.replica_id, blob)
                 pipe.pexpire(self.key, keep_ms)
                 pipe.hgetall(self.key)
+                pipe.time()
                 if gone:
                     pipe.hdel(self.key, *(self._in_store[r] for r in gone))
                 res = await pipe.execute()
@@ -503,7 +534,10 @@ class ClusterSync:
         fields = {k.decode(errors="replace"): k for k in res[2]}
         raw = {name: res[2][k] for name, k in fields.items()}
         now = self.clock()
-        self.view.observe(raw, now)
+        # TIME ran between the send and the reply: placed at their midpoint on this clock.
+        redis_ms = int(res[3][0]) * 1000 + int(res[3][1]) // 1000
+        self._redis_ms_read, self._redis_ms_read_at = redis_ms, (sent + now) / 2
+        self.view.observe(raw, now, redis_ms=self._redis_ms(now))
         for r in gone:
             fields.pop(r, None)
         self._in_store = fields
@@ -524,6 +558,17 @@ class ClusterSync:
             async with asyncio.timeout(self.op_timeout_s + 1.0):
                 await old.aclose()
 
+    def _redis_ms(self, t: float) -> int | None:
+        """Redis' clock at ``t`` of this clock: the last TIME read, carried forward by this clock's
+        seconds since. None before the first read, or past ``expiry_s`` since it: over a long
+        outage the two clocks may drift apart or Redis may fail over to another host's, and a
+        wrong date costs more than none (a live peer taken for dead by a starting replica)."""
+        base = self._redis_ms_read
+        elapsed = t - self._redis_ms_read_at
+        if base is None or elapsed > self.view.expiry_s:
+            return None
+        return base + round(max(0.0, elapsed) * 1000)
+
     def _keep_ms(self) -> int:
         return max(60_000, int(self.view.expiry_s * 10_000))
 
@@ -543,36 +588,66 @@ class ClusterSync:
         """Move the journal's notes into the outbox as rows. Every sync, Redis up or down: the
         journal's tuples (~40 bytes a block) then live one sync, the rows (8 bytes a block)
         as long as Redis needs, within the outbox's budget. Newest first, so that notes the
-        budget would drop at once are never packed."""
+        budget would drop at once are never packed.
+
+        Each batch names the URL of its rows' workers as this replica's fleet has them now, so
+        a note older than this replica's forgetting of its worker (a reload moved the name to
+        a new server, or the worker left or restarted, since the dispatch) is not packed: it
+        would go out under the new URL about the old server's cache. And notes packed just
+        after a reload changed which models are keyed by tokens may have been keyed either
+        way: their batch goes out under no key, which every reader (older ones too) takes for
+        sessions only."""
         journal = state.journal
+        models = self._keyed_models()
+        rekeyed = models != self._packed_models
+        self._packed_models = models
         if journal is None or not journal:
             return
         # The key the notes were made under: `RoutingState.configure` empties the journal when
         # it changes, and nothing can between these two lines.
-        key = state.key
+        key = () if rekeyed else state.key
         entries = journal.take(len(journal))
         budget = self.backlog_max * LEARNED_BACKLOG_BYTES_PER_ENTRY
+        forgot = state.forgot_at
         rows: list[bytes] = []
-        size = packed = 0
+        names: list[str] = []
+        size = packed = taken = 0
         for e in reversed(entries):
             if rows and (size >= budget or len(rows) >= self.backlog_max):
                 break
+            taken += 1
+            if forgot:
+                f = forgot.get(e.worker)
+                if f is not None and e.at < f:
+                    continue
             row = pack_entry(e)
             rows.append(row)
+            names.append(e.worker)
             size += len(row)
             packed += len(row)
             if packed >= LEARNED_BATCH_BYTES:  # a backlog of MBs: let requests in between
                 packed = 0
                 await asyncio.sleep(0)
-        self.learned_dropped += len(entries) - len(rows)
+        self.learned_dropped += len(entries) - taken
         del entries
         out = self._outbox
-        tail = out[-1] if out and not out[-1].sent and out[-1].key == key else None
-        for row in reversed(rows):
-            if tail is None or (tail.rows and tail.size + len(row) > LEARNED_BATCH_BYTES):
+        tail = out[-1] if out else None
+        if tail is not None and (tail.sent or tail.key != key or tail.models != models):
+            tail = None
+        workers = self.registry.workers
+        for name, row in zip(reversed(names), reversed(rows), strict=True):
+            w = workers.get(name)
+            url = None if w is None else w.url
+            if (
+                tail is None
+                or (tail.rows and tail.size + len(row) > LEARNED_BATCH_BYTES)
+                or (url is not None and tail.urls.get(name, url) != url)
+            ):
                 self._batch_seq += 1
-                tail = _Outgoing(self._batch_seq, key)
+                tail = _Outgoing(self._batch_seq, key, models)
                 out.append(tail)
+            if url is not None:
+                tail.urls[name] = url
             tail.rows.append(row)
             tail.size += len(row)
         self.outbox_bytes += size
@@ -582,6 +657,9 @@ class ClusterSync:
             self.outbox_bytes -= b.size
             self._outbox_rows -= len(b.rows)
             self.learned_dropped += len(b.rows)
+
+    def _keyed_models(self) -> frozenset[str] | None:
+        return None if self.token_models is None else frozenset(self.token_models())
 
     def _to_send(self) -> list[_Outgoing]:
         """The oldest batches, up to LEARNED_SEND_BYTES (at least one); only one while the
@@ -601,7 +679,9 @@ class ClusterSync:
     ) -> bool:
         sent = self.clock()  # the policies' clock: entries' `at` are on it
         # Each batch under its own rows' key (`_Outgoing.key`), not the state's now.
-        frames = [frame_batch(b.key, b.rows, sent) for b in batches]  # before the timeout
+        frames = [  # before the timeout
+            frame_batch(b.key, b.rows, sent, b.urls, b.models) for b in batches
+        ]
         count = self._read_count
         for b in batches:
             b.sent = True
@@ -712,13 +792,15 @@ class ClusterSync:
                     self._replaying, self._replayed = [], 0
                     return
                 raw, published, epoch, own = self._inbox.popleft()
-                got = decode_batch(raw, None if own else published)
+                got = decode_frame(raw, None if own else published)
                 if got is None:
                     self.learned_malformed += 1
                     continue
-                batch_key, learned = got
+                learned = got.entries
                 self._replaying, self._replayed = learned, 0
-                self._replay_chains = batch_key == state.key
+                self._replay_chains = got.key == state.key
+                self._replay_urls = got.urls
+                self._replay_models = got.token_models
                 self._replay_own = own
                 self._replay_epoch = epoch - published
                 if learned and not own:
@@ -746,14 +828,22 @@ class ClusterSync:
     def _apply(self, state: RoutingState, chunk: list[Learned]) -> None:
         """One chunk of the batch being replayed. A worker whose process start is known takes
         only notes from after it (on this clock: ``start - epoch offset``); the notes a worker
-        with none known yet takes are remembered (`_verify_starts`)."""
-        known = self.registry.workers
+        with none known yet takes are remembered (`_verify_starts`). A worker the batch names
+        at another URL than this replica's fleet does is another server under the same name
+        (a rollout moving it): its notes are skipped like an unknown worker's."""
+        workers = self.registry.workers
+        known: Container[str] = workers
+        urls = self._replay_urls
+        if urls:
+            moved = {n for n, u in urls.items() if (w := workers.get(n)) is not None and w.url != u}
+            if moved:
+                known = workers.keys() - moved
         own = self._replay_own
         offset = self._replay_epoch
         slack = self._restart_slack_s()
         not_before: dict[str, float] = {}
         unknown: set[str] = set()
-        for name, w in known.items():
+        for name, w in workers.items():
             started = w.metrics.process_start
             if started is None:
                 unknown.add(name)
@@ -764,6 +854,7 @@ class ClusterSync:
             chunk,
             known=known,
             with_chains=self._replay_chains,
+            chainless=() if own else self._chainless(),
             not_before=not_before,
             own=own,
             concurrent_s=self.concurrent_s,
@@ -786,6 +877,24 @@ class ClusterSync:
                 if t < unverified.get(e.worker, float("inf")):
                     unverified[e.worker] = t
         self.learned_stale += considered - n
+
+    def _chainless(self) -> frozenset[str]:
+        """Workers whose notes' chains in the batch being replayed can mean nothing here: they
+        serve a model that the publisher keys in token mode and this replica in text mode, or
+        the reverse (a rollout of `[routing.token_mode]`). Per worker, since a note does not
+        name its model: a worker serving such a model among others loses the others' chains
+        too, and one whose models are not known yet (no probe answered) is left out as well,
+        for as long as the two replicas disagree."""
+        theirs = self._replay_models
+        if theirs is None:
+            return frozenset()
+        mine = self._keyed_models()
+        if mine is None or mine == theirs:
+            return frozenset()
+        differ = theirs ^ mine
+        return frozenset(
+            n for n, w in self.registry.workers.items() if not w.models or w.models & differ
+        )
 
     def _row_failed(self, e: Learned, err: Exception) -> None:
         """A peer's note that decoded but could not be replayed: skipped and counted, the rest of

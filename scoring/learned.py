@@ -17,7 +17,7 @@ notes (approximate knowledge, counted in ``dropped``), never memory.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ def apply_learned(
     *,
     known: Container[str],
     with_chains: bool = True,
+    chainless: Collection[str] = (),
     not_before: Mapping[str, float] | None = None,
     own: bool = False,
     concurrent_s: float = 0.0,
@@ -143,6 +144,9 @@ def apply_learned(
 
     ``with_chains`` False skips the prefix entries (chains hashed under other routing options
     mean nothing here) but keeps the sessions, whose keys do not depend on options.
+    ``chainless``: workers whose notes' chains (and KV-event keys) are skipped alike, sessions
+    kept: workers of a model the publisher keys otherwise (token mode against text mode), whose
+    chains can never match one hashed here. Empty (the usual case) costs nothing a note.
 
     In KV-event mode the precise index learns the peers' pending dispatches too: what a replica
     has sent that the worker has not prefilled yet is in no event, so without them the other
@@ -157,6 +161,8 @@ def apply_learned(
     # forgotten within MAX_NOTE_AGE_S, and the cluster replays a few notes a call.
     forgot = state.forgot_at
     floor = not_before or None
+    skip = chainless or None
+    chains = with_chains
     n = 0
     for e in entries:
         if e.worker not in known:
@@ -169,9 +175,11 @@ def apply_learned(
             f = floor.get(e.worker)
             if f is not None and e.at < f:
                 continue
+        if skip is not None:
+            chains = with_chains and e.worker not in skip
         try:
             if e.done:
-                if precise is not None and e.block_chain:
+                if chains and precise is not None and e.block_chain:
                     precise.dispatch_done(e.worker, e.block_chain, e.at)
             elif own:
                 if e.session_id:
@@ -184,9 +192,9 @@ def apply_learned(
                         concurrent_s=concurrent_s,
                     )
             else:
-                if with_chains and e.chain:
+                if chains and e.chain:
                     index.record(e.worker, e.chain, dense=e.dense, tail_ends=e.tail_ends)
-                if precise is not None and e.block_chain:
+                if chains and precise is not None and e.block_chain:
                     precise.note_dispatch(e.worker, e.block_chain, e.at)
                 if e.session_id:
                     sessions.learn(

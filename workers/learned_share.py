@@ -5,7 +5,8 @@ One batch per replica per sync interval (a backlog goes as several, each at most
 
     {"v": 2, "k": [routing key fields], "t": publisher's clock at publish,
      "e": [[worker, chain, dense, tail_ends, session_id, prompt_tokens, at, block_chain, done],
-           ...]}
+           ...],
+     "u": {worker: URL}, "m": [models keyed in token mode]}
 
 ``chain`` (and ``block_chain``, KV-event mode's worker-block keys) is packed as little-endian
 uint64 (8 bytes a block, a third of its
@@ -20,6 +21,20 @@ dispatch on its own clock. No two hosts' clocks are compared for that. The strea
 milliseconds also place a note on the epoch scale (``id - (t - at)``), where `gateway.cluster`
 compares it with the worker's ``process_start_time_seconds`` (NTP-synced hosts, with a slack)
 to tell notes about an earlier process of a worker that restarted.
+
+A worker name is the operator's label, its URL the server (as in `workers.load_view`): during a
+rollout that points a name at a new server, a replica still routing it to the old one published
+notes about the old server's cache, and a reloaded peer replayed them into its new, cold one (the
+index credited it with prefixes it never saw, sessions were pinned to it as warm). So a batch
+names the URL of each worker its rows are about (``u``), and a reader takes a row only into its
+own worker of that name and URL. Once a batch, not once a row: a batch holds thousands of rows
+about a handful of workers. ``k`` says how chains are hashed but not what from: a model keyed in
+token mode (`[routing.token_mode]`) hashes token ids, in text mode the rendered text, and the two
+never match, so during a rollout of token mode a peer's chains only took index capacity (and
+evicted entries that did match). ``m`` lists the models the publisher keys by tokens; a reader
+keeps the chains of rows about workers serving a model both key alike. Both fields are ones that
+older readers ignore (``v`` stays 2, a rolling upgrade keeps sharing both ways); a batch without
+them (an older publisher) is taken by worker name and ``k`` alone, as that version did.
 """
 
 from __future__ import annotations
@@ -28,14 +43,17 @@ import math
 import operator
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import msgpack
 
 from scoring.learned import MAX_NOTE_AGE_S, Learned
 
 __all__ = [
+    "Batch",
     "decode_batch",
+    "decode_frame",
     "encode_batch",
     "frame_batch",
     "pack_chain",
@@ -85,31 +103,71 @@ def pack_entry(e: Learned) -> bytes:
     )
 
 
-def frame_batch(key: Sequence[float], rows: Sequence[bytes], sent: float) -> bytes:
+class Batch(NamedTuple):
+    """One decoded batch. ``urls``: the URL of each worker its rows name, None from an older
+    publisher (its rows match by name); ``token_models``: the models the publisher keys in token
+    mode, None from a publisher that does not say (an older one)."""
+
+    key: tuple[float, ...]
+    entries: list[Learned]
+    urls: dict[str, str] | None = None
+    token_models: frozenset[str] | None = None
+
+
+def frame_batch(
+    key: Sequence[float],
+    rows: Sequence[bytes],
+    sent: float,
+    urls: Mapping[str, str] | None = None,
+    token_models: Collection[str] | None = None,
+) -> bytes:
     """A batch of rows from ``pack_entry``, byte for byte what ``encode_batch`` writes (readers of
     every version take it). ``sent`` is stamped here, per send: a batch re-sent after an outage
-    must be placed by when it went out, not by when its rows were packed."""
+    must be placed by when it went out, not by when its rows were packed. ``urls`` and
+    ``token_models`` None leave their field out (what an older version wrote)."""
     p = msgpack.Packer(use_bin_type=True)
+    extra = b""
+    fields = 4
+    if urls is not None:
+        fields += 1
+        extra += p.pack("u") + p.pack(dict(urls))
+    if token_models is not None:
+        fields += 1
+        extra += p.pack("m") + p.pack(sorted(token_models))
     head = (
-        p.pack_map_header(4)
+        p.pack_map_header(fields)
         + p.pack("v")
         + p.pack(_VERSION)
         + p.pack("k")
         + p.pack(list(key))
         + p.pack("t")
         + p.pack(sent)
+        + extra
         + p.pack("e")
         + p.pack_array_header(len(rows))
     )
     return b"".join((head, *rows))
 
 
-def encode_batch(key: Sequence[float], entries: Sequence[Learned], sent: float) -> bytes:
-    return frame_batch(key, [pack_entry(e) for e in entries], sent)
+def encode_batch(
+    key: Sequence[float],
+    entries: Sequence[Learned],
+    sent: float,
+    urls: Mapping[str, str] | None = None,
+    token_models: Collection[str] | None = None,
+) -> bytes:
+    return frame_batch(key, [pack_entry(e) for e in entries], sent, urls, token_models)
 
 
 def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list[Learned]] | None:
-    """``(routing key, entries)`` with every ``at`` moved onto the reader's clock: ``now`` is the
+    """``decode_frame``'s key and entries: for callers that match rows by name and ``k`` alone
+    (tools, tests of the row format)."""
+    got = decode_frame(raw, now)
+    return None if got is None else (got.key, got.entries)
+
+
+def decode_frame(raw: bytes, now: float | None) -> Batch | None:
+    """The batch, with every ``at`` moved onto the reader's clock: ``now`` is the
     reader's estimate of when the batch was published (its clock, less the entry's age in Redis).
     None: the reader's own batch read back, whose times are on its clock already and are kept
     exact (its session turns are matched by them: `SessionTable.learn`).
@@ -120,7 +178,9 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
     entries (`PrefixIndex.record`), so a short list raised out of the replay and a flat or
     decreasing one weighed entries at 0 or less, which no capacity ever evicted (2,000 notes:
     2,000,000 index entries on a 16,384-block worker). ``at`` far from ``t`` is a clock this
-    version did not write (it fed ~1e300 into the lag histogram's sum)."""
+    version did not write (it fed ~1e300 into the lag histogram's sum). A ``u`` or ``m`` of
+    another shape drops the batch too: read as absent, its rows would match by name alone,
+    which is what the field is there to prevent."""
     try:
         d = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         if not isinstance(d, dict) or d.get("v") != _VERSION:
@@ -129,6 +189,17 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
         if not isinstance(key, list) or not isinstance(rows, list) or not _is_time(sent):
             return None
         if not all(_is_time(k) for k in key):
+            return None
+        urls = d.get("u")
+        if urls is not None and not (
+            isinstance(urls, dict)
+            and all(isinstance(n, str) and isinstance(u, str) for n, u in urls.items())
+        ):
+            return None
+        models = d.get("m")
+        if models is not None and not (
+            isinstance(models, list) and all(isinstance(m, str) for m in models)
+        ):
             return None
         shift = 0.0 if now is None else now - sent
         out: list[Learned] = []
@@ -174,7 +245,7 @@ def decode_batch(raw: bytes, now: float | None) -> tuple[tuple[float, ...], list
                     done,
                 )
             )
-        return tuple(key), out
+        return Batch(tuple(key), out, urls, None if models is None else frozenset(models))
     except (msgpack.UnpackException, ValueError, TypeError, KeyError):
         return None
 

@@ -16,6 +16,21 @@ rather than on counts that grow staler forever. A peer that vanishes from a succ
 until it expires too: a store that restarted empty gets every live replica's snapshot back within
 one interval, and in that interval the fleet-wide limits must not read "nobody else is busy".
 
+A reader that has just started has no past reads, so "has not moved for ``expiry_s``" cannot be
+judged on its clock alone: it once took every snapshot in the store as live from its first read
+on, a SIGKILLed replica's too. Its siblings dropped that load ``expiry_s`` after the death and
+deleted the field, but the replica the supervisor started in its place (a new reader in exactly
+that window) counted it for a full ``expiry_s`` of its own, and kept counting it after the field
+was gone: phantom load for up to twice ``expiry_s``, its workers full under `max_concurrency`. So:
+- a snapshot carries (``t``) when it was written on the store's clock, as its publisher reckons it
+  from the store's ``TIME`` (`gateway.cluster`), and a reader given the store's clock at its read
+  places a peer it sees for the first time that much in its past: a long-unchanged snapshot is
+  already old, and no two hosts' clocks are ever compared. Older publishers write no ``t``: their
+  snapshots count from first sight, as before;
+- the keep-on-vanish rule covers only a peer this reader knows to have been alive: seen moving,
+  or aged by ``t``. One seen once, undated, and gone from the next read (a sibling deleted a dead
+  peer's field) gives no reason to be kept.
+
 A worker is named in a snapshot by its name AND its URL: a name is the operator's label, the URL
 the server. During a rollout that points a name at a new server, one replica (reloaded) routes it
 to the new server while another (not yet) still sends it to the old one; matched by name alone,
@@ -54,22 +69,30 @@ MAX_PREFILL_TOKENS = 1 << 40
 @dataclass(slots=True, frozen=True)
 class Snapshot:
     """One replica's published load: ``seq`` moves on every publish (the heartbeat). ``loads``
-    per worker name (every URL summed: what an older reader sees), ``sites`` per (name, URL)."""
+    per worker name (every URL summed: what an older reader sees), ``sites`` per (name, URL).
+    ``at_ms``: when it was written, in the store's milliseconds (None: not known, an older
+    publisher or one that has not read the store's clock yet)."""
 
     seq: int
     loads: dict[str, Load] = field(default_factory=dict)
     sites: dict[Site, Load] = field(default_factory=dict)
+    at_ms: int | None = None
 
 
-def encode_snapshot(seq: int, loads: Mapping[tuple[str, str], Load] | Mapping[str, Load]) -> bytes:
+def encode_snapshot(
+    seq: int,
+    loads: Mapping[tuple[str, str], Load] | Mapping[str, Load],
+    *,
+    at_ms: int | None = None,
+) -> bytes:
     """``loads`` per (worker name, URL), or per name alone (what an older version wrote: it
     reads back with no URL). Workers with no load are left out: absent means (0, 0), and most
     of a big fleet is idle from any one replica's side at any instant.
 
     ``w`` holds the per-name sums, byte for byte what an older version writes and reads (it
-    ignores ``u``): one name on two servers here (a retired record still running on the old
-    URL) is one sum there, as that version counts it. ``u`` holds [name, URL, in flight, queued
-    prefill] per server."""
+    ignores ``u`` and ``t``): one name on two servers here (a retired record still running on
+    the old URL) is one sum there, as that version counts it. ``u`` holds [name, URL, in
+    flight, queued prefill] per server; ``t`` is ``at_ms``, left out when unknown."""
     by_name: dict[str, list[int]] = {}
     sites: list[list[object]] = []
     for key, (i, p) in loads.items():
@@ -87,6 +110,8 @@ def encode_snapshot(seq: int, loads: Mapping[tuple[str, str], Load] | Mapping[st
     doc: dict[str, object] = {"v": _VERSION, "seq": seq, "w": by_name}
     if sites:
         doc["u"] = sites
+    if at_ms is not None:
+        doc["t"] = at_ms
     return orjson.dumps(doc)
 
 
@@ -130,10 +155,12 @@ def decode_snapshot(raw: bytes) -> Snapshot | None:
         for name, v in w.items():
             if isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v):
                 loads[name] = (min(v[0], MAX_IN_FLIGHT), min(v[1], MAX_PREFILL_TOKENS))
+        t = d.get("t")
+        at_ms = t if _count(t) else None  # a bad stamp dates nothing: counted from first sight
         sites = _sites(d.get("u"))
         if sites is None:  # an older peer: its workers by name alone
-            return Snapshot(seq, loads, {(n, None): v for n, v in loads.items()})
-        return Snapshot(seq, loads, sites)
+            return Snapshot(seq, loads, {(n, None): v for n, v in loads.items()}, at_ms)
+        return Snapshot(seq, loads, sites, at_ms)
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
 
@@ -141,9 +168,14 @@ def decode_snapshot(raw: bytes) -> Snapshot | None:
 @dataclass(slots=True)
 class _Peer:
     seq: int
-    moved_at: float  # reader's clock when seq last changed (or was first seen)
+    # Reader's clock when seq last changed; at first sight, when the snapshot was written (its
+    # ``t``), or, undated, the first sight itself.
+    moved_at: float
     loads: dict[str, Load]
     sites: dict[Site, Load]
+    # Whether moved_at is a time the peer was known to write (seen moving, or dated by ``t``),
+    # not merely when this reader first looked: only then is it kept when it vanishes.
+    dated: bool
 
 
 class LoadView:
@@ -167,8 +199,11 @@ class LoadView:
         self.undecodable: dict[str, tuple[int, float]] = {}
         self.malformed = 0  # fields that did not decode, each counted once
 
-    def observe(self, raw: Mapping[str, bytes], now: float | None = None) -> None:
-        """Record one read of every replica's snapshot (replica id -> encoded bytes)."""
+    def observe(
+        self, raw: Mapping[str, bytes], now: float | None = None, *, redis_ms: int | None = None
+    ) -> None:
+        """Record one read of every replica's snapshot (replica id -> encoded bytes). ``redis_ms``
+        is the store's clock at ``now``, when known: it dates peers seen for the first time."""
         if now is None:
             now = self.clock()
         bad = self.undecodable
@@ -187,10 +222,27 @@ class LoadView:
             bad.pop(rid, None)
             p = self.peers.get(rid)
             if p is None:
-                self.peers[rid] = _Peer(snap.seq, now, snap.loads, snap.sites)
+                age = self._age(snap.at_ms, redis_ms)
+                self.peers[rid] = _Peer(
+                    snap.seq, now - (age or 0.0), snap.loads, snap.sites, age is not None
+                )
             elif p.seq != snap.seq:
                 p.seq, p.moved_at, p.loads, p.sites = snap.seq, now, snap.loads, snap.sites
+                p.dated = True
+        for rid in [r for r, p in self.peers.items() if not p.dated and r not in raw]:
+            del self.peers[rid]
         self._forget(now)
+
+    def _age(self, at_ms: int | None, redis_ms: int | None) -> float | None:
+        """How long a snapshot has stood in the store, both ends on the store's clock; None when
+        either is unknown, or the stamp is later than the read (the store's clock stepped back,
+        or its publisher reckoned it ahead): such a stamp dates nothing. At most twice
+        ``expiry_s``: dead on every read from now on, yet still held (and listed by `expired`,
+        so the store deletes it) rather than forgotten at once and taken for new again on every
+        read."""
+        if at_ms is None or redis_ms is None or at_ms > redis_ms:
+            return None
+        return min((redis_ms - at_ms) / 1000, 2 * self.expiry_s)
 
     def _forget(self, now: float) -> None:
         """Drop peers dead for a while (bounds memory with replicas coming and going)."""

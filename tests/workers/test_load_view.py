@@ -86,10 +86,13 @@ def test_without_fresh_reads_everything_lapses_after_expiry() -> None:
 
 def test_a_peer_missing_from_a_read_is_kept_until_it_expires() -> None:
     """A Redis that restarted empty has every live replica's field back within an interval; until
-    then the fleet-wide limits must not read 'nobody else is busy'."""
+    then the fleet-wide limits must not read 'nobody else is busy'. (A peer seen alive: moving
+    here; one seen once and undated is not kept, test_load_view_new_reader.py.)"""
     clock = Clock()
     view = LoadView("me", 3.0, clock=clock)
     view.observe({"a": encode_snapshot(1, {"w0": (6, 0)})})
+    clock.t += 0.05
+    view.observe({"a": encode_snapshot(2, {"w0": (6, 0)})})
     clock.t += 0.05
     view.observe({})
     assert view.totals() == {"w0": (6, 0)}
