@@ -93,7 +93,9 @@ class Call:
     # The last usage a content event carried (``continuous_usage_stats``, forced upstream), as
     # its JSON object's bytes: what a stream cut before its usage chunk is charged by, parsed
     # only then. One event is not one token (vLLM merges the deltas of a lagging stream, and a
-    # client that reads slowly makes it lag), so counting events undercharged such cuts.
+    # client that reads slowly makes it lag), so counting events undercharged such cuts. A
+    # stream of several choices holds each choice's last instead, as a JSON list of
+    # [index, usage] (`relay._choices_usage`): each counts its own choice alone.
     live_usage: bytes = b""
     client_wants_live_usage: bool = False  # asked for `continuous_usage_stats`: not stripped
     live_usage_upstream: bool = False  # the worker was asked for usage on every event

@@ -41,6 +41,11 @@ _DONE = b"data: [DONE]\n\n"
 # nesting (`completion_tokens_details`, `prompt_tokens_details`).
 _LIVE_MARK = b',"usage":{'
 _LIVE_USAGE = re.compile(rb',"usage":(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
+# Where a vLLM event names its choice: each streamed event holds one choice, `index` its first
+# field. Like the usage mark, it cannot occur inside a JSON string (its quotes would be escaped).
+_CHOICE_MARK = b'"choices":[{"index":'
+_INDEX = re.compile(rb"\d{1,9}")
+_COMPLETION = re.compile(rb'"completion_tokens":(\d{1,15})')
 # The most bytes one SSE event may take before its blank line. The relay holds an event until it
 # is whole, so a worker that never ends one (no blank line: a broken server, CRLF framing, which
 # the scan does not take for a boundary) would otherwise grow that buffer without bound until
@@ -121,6 +126,12 @@ class RelayResponse(Response):
         self._strip = not call.client_wants_usage
         self._strip_live = not call.client_wants_live_usage
         self._live = call.live_usage_upstream  # content events carry usage
+        # A stream of several choices (n > 1, a batch of prompts) keeps each choice's last live
+        # usage by its index (`_keep_choices`), the index -1 for events whose index is unread;
+        # None for one choice, whose last usage is also its largest.
+        account = getattr(call, "account", None)  # a bare scan's call (tests) may have none
+        self._choices = account.choices if account is not None else 1
+        self._by_choice: dict[int, bytes] | None = {} if self._live and self._choices > 1 else None
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
         self._head = b""  # the response head, held back to go out with the first events
@@ -211,6 +222,9 @@ class RelayResponse(Response):
             call.outcome = "ok"
         if call.outcome == "ok":
             life.succeeded(self._worker)
+        if self._by_choice:
+            # Built once, for the settlement (the only reader), not on every read.
+            call.live_usage = _choices_usage(self._by_choice)
         await life.finish(call)
 
     async def _pump(self, send: Send) -> None:
@@ -622,12 +636,50 @@ class RelayResponse(Response):
         # inside a JSON string (its quotes would be escaped there).
         i = out.rfind(_LIVE_MARK)
         if i >= 0:
-            m = _LIVE_USAGE.match(out, i)
-            if m is not None:
-                self._call.live_usage = m[1]
+            if self._by_choice is not None:
+                self._keep_choices(out)
+            else:
+                m = _LIVE_USAGE.match(out, i)
+                if m is not None:
+                    self._call.live_usage = m[1]
             if self._strip_live:
                 out = _LIVE_USAGE.sub(b"", out)
         return out + last if last else out
+
+    def _keep_choices(self, out: bytes) -> None:
+        """Keep the last live usage of every choice whose events are in ``out``, by its index.
+
+        vLLM's live usage counts one choice (`completion_tokens` is that choice's, and
+        `prompt_tokens` its prompt's), and a batch's prompts and a prompt's n choices are
+        engine requests of their own, merged as they come: the last event may be a choice far
+        behind another, so a cut batch charged by it paid for the laggard alone (2,003 tokens
+        generated, 14 charged). Every event of the read counts here, not the read's last, and
+        its index is a byte search from the event's start: no event is parsed. An event whose
+        index cannot be read (not vLLM's layout, or out of range) is kept under -1, the largest
+        such count, for the settlement to take as any choice's."""
+        by = self._by_choice
+        assert by is not None
+        for m in _LIVE_USAGE.finditer(out):
+            at = m.start()
+            sep = out.rfind(b"\n\n", 0, at)
+            j = out.find(_CHOICE_MARK, sep + 2 if sep >= 0 else 0, at)
+            d = _INDEX.match(out, j + len(_CHOICE_MARK)) if j >= 0 else None
+            index = int(d[0]) if d is not None else -1
+            if 0 <= index < self._choices:
+                by[index] = m[1]
+            elif _tokens(m[1]) >= _tokens(by.get(-1, b"")):
+                by[-1] = m[1]
+
+
+def _tokens(usage: bytes) -> int:
+    """The completion count in a live usage's bytes (0 if none), to compare two of them."""
+    m = _COMPLETION.search(usage)
+    return int(m[1]) if m is not None else 0
+
+
+def _choices_usage(by_choice: dict[int, bytes]) -> bytes:
+    """``Call.live_usage`` of a stream of several choices: a JSON list of [index, usage]."""
+    return b"[%b]" % b",".join(b"[%d,%b]" % kv for kv in by_choice.items())
 
 
 def _too_big() -> str:
