@@ -3,6 +3,9 @@
 #
 #   docker build -t kvgate .
 #   docker run -p 8000:8000 -v $PWD/my.toml:/etc/kvgate/config.toml:ro kvgate
+#
+# my.toml reloads live when edited in place; a file renamed over it on the host is not seen
+# through a single-file mount (README, Configuration: mount a directory for write-then-rename).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

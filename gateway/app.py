@@ -43,7 +43,7 @@ from gateway.core_settings import (
     worker_spec,
 )
 from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_tokens
-from gateway.errors import APIError, bad_request, model_not_found, no_capacity
+from gateway.errors import APIError, bad_request, internal_error, model_not_found, no_capacity
 from gateway.ids import client_rid_ok, echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
 from gateway.lifecycle import Lifecycle
@@ -186,6 +186,8 @@ class Gateway:
                 metrics=self.metrics.registry,
                 state=self.routing_state,
                 retired=self._retired_running,
+                # Swapped on reload: read through the lambda, never captured.
+                token_models=lambda: self.token_keyers,
             )
         self.autoscale = DesiredWorkers(to_core(settings.autoscale, AutoscaleSettings))
         self.metrics.registry.register(
@@ -268,7 +270,11 @@ class Gateway:
         await self._sync_kv_events()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
-                self.config_path, self.settings, self.apply, self._on_reload_error
+                self.config_path,
+                self.settings,
+                self.apply,
+                self._on_reload_error,
+                watch=s.server.watch_config,
             )
             await self.watcher.start()
         if self.processes is not None:
@@ -542,6 +548,23 @@ class Gateway:
             if not self.registry.knows_model(model):
                 self.metrics.forget_model(model)
 
+    def _limited_as(self, tenant: Tenant, model: str) -> str:
+        """The name whose `model_limits` a request for ``model`` counts under: ``model``, or the
+        configured name of the same model under another `--served-model-name` (one `root` on
+        every worker listing both, `Registry.cache_name`). vLLM serves one model under all its
+        names, so a limit set on one name was skipped by calling another (rpm 1 on `llama`:
+        429 there, any number of 200s under its alias). Looked up only when the tenant has
+        model limits that do not name ``model``."""
+        per_model = tenant.limits.per_model
+        if not per_model or model in per_model:
+            return model
+        cache_name = self.registry.cache_name
+        root = cache_name(model)  # a LoRA adapter keeps its own name: shared with no other
+        for name in per_model:
+            if cache_name(name) == root:
+                return name
+        return model
+
     def _unserved(self, model: str) -> APIError:
         """What a request for ``model`` that no worker serves now is answered: 503 while a worker
         has listed it (it may come back) or none is healthy (nothing can be said of the model),
@@ -741,157 +764,200 @@ class Gateway:
         me = asyncio.current_task()
         walks = self._walks
         walks.add(me)
+        # Two levels: the inner handlers answer the walk's refusals and its bugs; the outer one
+        # a bug in those handlers (a refund, a request line), which escaped to uvicorn as a
+        # plain-text 500 without the request's ids. Neither costs anything until it catches.
         try:
-            if self.draining:
-                raise _shutting_down()
-            tenant = self.tenants.authenticate(hdrs.get("authorization"))
-            raw = await self._read_body(request, tenant, hdrs)
-            open_gateway = not self.tenants.enabled  # caps nothing: the workers' flags decide
-            req = parse_request(
-                path,
-                raw,
-                accept_embeds=tenant.cfg.accept_embeds or open_gateway,
-                accept_media_kwargs=tenant.cfg.accept_media_kwargs or open_gateway,
-                live_usage=not open_gateway,
-            )
-            data, model = req.data, req.model
-            is_chat = path == CHAT
-            prompt_est = estimate_prompt_tokens(
-                is_chat, data, self.routing_options.chars_per_token, self._media_bytes
-            )
-            if self.tenants.enabled:
-                # Output reserved: per-choice limit (capped/injected) x choices x prompts.
-                max_out, changed = apply_caps(tenant, model, data, prompt_est, is_chat=is_chat)
-                req.modified |= changed
-            else:
-                max_out = output_tokens(is_chat, data)
-            # Serving, not `candidates` (those with room now): a request behind full workers,
-            # or a half-open one whose trial runs, waits in admission for room or the verdict.
-            serving = self.registry.serving(model)
-            if not serving:
-                raise self._unserved(model)
-            if self.tenants.enabled:
-                # Before keying: a refused request costs no tokenizing (token mode: ~150 ms of
-                # a worker thread for a 195 kB prompt), and its latency says nothing of it.
-                ticket = await self.quota.admit(tenant, rid, model, prompt_est + max_out)
-            route = await route_key(
-                policy=self.policy,
-                keyers=self.token_keyers,
-                views=(w.view() for w in serving),
-                options=self.routing_options,
-                token_mode=settings.routing.token_mode,
-                is_chat=is_chat,
-                data=data,
-                raw_len=len(raw),
-                model=model,
-                cache_model=self.registry.cache_name(model),
-                namespace=tenant.namespace,
-                session_scope=tenant.session_scope,
-                headers=hdrs,
-                session_header=settings.routing.session_header,
-                tenant_priority=tenant.priority,
-                request_id=rid,
-                precise=self.kv_fleet.active,
-            )
-            cap = tenant.cfg.max_input_tokens
-            if route.exact_tokens and cap is not None and route.exact_tokens > cap:
-                # The tokenizer's count (token mode) where the estimate let it pass: text that
-                # tokenizes finer than the estimate's bytes per token (control characters, rare
-                # scripts) held up to ~4x the tokens it said. Refused before any worker sees it;
-                # the reservation goes back.
-                raise bad_request(
-                    f"This request's prompt is {route.exact_tokens} tokens; the limit for your "
-                    f"key is {cap} input tokens.",
-                    "messages" if is_chat else "prompt",
+            try:
+                if self.draining:
+                    raise _shutting_down()
+                tenant = self.tenants.authenticate(hdrs.get("authorization"), hdrs.get("x-api-key"))
+                raw = await self._read_body(request, tenant, hdrs)
+                open_gateway = not self.tenants.enabled  # caps nothing: the workers' flags decide
+                req = parse_request(
+                    path,
+                    raw,
+                    accept_embeds=tenant.cfg.accept_embeds or open_gateway,
+                    accept_media_kwargs=tenant.cfg.accept_media_kwargs or open_gateway,
+                    live_usage=not open_gateway,
                 )
-            call = Call(
-                request_id=rid,
-                client_request_id=client_rid,
-                model=model,
-                path=path,
-                body=orjson.dumps(data) if req.modified else raw,
-                stream=req.stream,
-                client_wants_usage=req.client_wants_usage,
-                client_wants_live_usage=req.client_wants_live_usage,
-                live_usage_upstream=req.stream
-                and (not open_gateway or req.client_wants_live_usage),
-                route=route,
-                t_start=t0,
-                pool_ok=canary_pool(settings.routing.splits, model, self._rng),
-                account=Account(
-                    tenant,
-                    ticket,
-                    prompt_est,
-                    tokens=request_tokens(prompt_est, data, max_out),
-                    # What a cut stream's live usage is multiplied by: tenants' alone.
-                    choices=choices_per_prompt(data) * prompt_count(is_chat, data)
-                    if not open_gateway
-                    else 1,
-                    hidden_output=is_chat and data.get("include_reasoning") is False,
-                ),
-            )
-            walks.discard(me)
-            resp = await self._dispatch(request, call, tenant, hdrs)
-            if ticket is not None and ticket.admission is not None:
-                resp.headers.update(ticket.admission.headers())
-            return resp
-        except asyncio.CancelledError:
-            # Cancelled from outside (server shutdown past its grace): nothing was produced for
-            # the client, so the reservation goes back, never leaks.
-            await self.settlement.refund(call, ticket)
-            if me not in self._walks_cut:
-                raise
-            # The drain's grace ended before this walk reached a worker (a body still
-            # uploading, say): the 503 new requests get, not uvicorn's plain-text 500 later.
-            self._walks_cut.discard(me)
-            if me is not None:
-                me.uncancel()
-            err = _shutting_down()
-            await self._refused(call, req, rid, client_rid, path, t0, err)
-            return err.response(echo)
-        except APIError as e:
-            if call is not None and call.outcome == "gateway_shutdown":
-                # A drain cut it off its worker before any byte reached the client
-                # (gateway.proxy.Proxy.cut_waiting): recorded as a request its worker had, like
-                # a cut stream, and settled as nothing generated (no usage, no events): the
-                # reservation is refunded, the concurrency lease freed, once (`finish`).
-                await self.life.finish(call)
-            elif (
-                call is not None
-                and call.upstream_sent
-                and (not call.stream or e.status == _CLIENT_CLOSED)
-            ):
-                # Cut off while a worker had it (a whole response's total timeout, a client
-                # gone, a stream's before its first token): the compute was spent, so it is
-                # settled (gateway.settlement.charge says what it costs), not refunded.
-                call.status = e.status
-                call.outcome = (
-                    "upstream_timeout"
-                    if e.status == 504
-                    else "upstream_too_large"
-                    if e.code == "upstream_response_too_large"
-                    else "client_disconnect"
+                data, model = req.data, req.model
+                is_chat = path == CHAT
+                prompt_est = estimate_prompt_tokens(
+                    is_chat, data, self.routing_options.chars_per_token, self._media_bytes
                 )
-                await self.life.finish(call)
-            else:
-                # No worker produced anything: not the tenant's doing, refund it all.
+                if self.tenants.enabled:
+                    # Output reserved: per-choice limit (capped/injected) x choices x prompts.
+                    max_out, changed = apply_caps(tenant, model, data, prompt_est, is_chat=is_chat)
+                    req.modified |= changed
+                else:
+                    max_out = output_tokens(is_chat, data)
+                # Serving, not `candidates` (those with room now): a request behind full workers,
+                # or a half-open one whose trial runs, waits in admission for room or the verdict.
+                serving = self.registry.serving(model)
+                if not serving:
+                    raise self._unserved(model)
+                if self.tenants.enabled:
+                    # Before keying: a refused request costs no tokenizing (token mode: ~150 ms of
+                    # a worker thread for a 195 kB prompt), and its latency says nothing of it.
+                    limited = self._limited_as(tenant, model)
+                    ticket = await self.quota.admit(tenant, rid, limited, prompt_est + max_out)
+                route = await route_key(
+                    policy=self.policy,
+                    keyers=self.token_keyers,
+                    views=(w.view() for w in serving),
+                    options=self.routing_options,
+                    token_mode=settings.routing.token_mode,
+                    is_chat=is_chat,
+                    data=data,
+                    raw_len=len(raw),
+                    model=model,
+                    cache_model=self.registry.cache_name(model),
+                    namespace=tenant.namespace,
+                    session_scope=tenant.session_scope,
+                    headers=hdrs,
+                    session_header=settings.routing.session_header,
+                    tenant_priority=tenant.priority,
+                    request_id=rid,
+                    precise=self.kv_fleet.active,
+                )
+                cap = tenant.cfg.max_input_tokens
+                if route.exact_tokens and cap is not None and route.exact_tokens > cap:
+                    # The tokenizer's count (token mode) where the estimate let it pass: text that
+                    # tokenizes finer than the estimate's bytes per token (control characters, rare
+                    # scripts) held up to ~4x the tokens it said. Refused before any worker sees it;
+                    # the reservation goes back.
+                    raise bad_request(
+                        f"This request's prompt is {route.exact_tokens} tokens; the limit for your "
+                        f"key is {cap} input tokens.",
+                        "messages" if is_chat else "prompt",
+                    )
+                call = Call(
+                    request_id=rid,
+                    client_request_id=client_rid,
+                    model=model,
+                    path=path,
+                    body=orjson.dumps(data) if req.modified else raw,
+                    stream=req.stream,
+                    client_wants_usage=req.client_wants_usage,
+                    client_wants_live_usage=req.client_wants_live_usage,
+                    live_usage_upstream=req.stream
+                    and (not open_gateway or req.client_wants_live_usage),
+                    route=route,
+                    t_start=t0,
+                    pool_ok=canary_pool(settings.routing.splits, model, self._rng),
+                    account=Account(
+                        tenant,
+                        ticket,
+                        prompt_est,
+                        tokens=request_tokens(prompt_est, data, max_out),
+                        # What a cut stream's live usage is multiplied by: tenants' alone.
+                        choices=choices_per_prompt(data) * prompt_count(is_chat, data)
+                        if not open_gateway
+                        else 1,
+                        hidden_output=is_chat and data.get("include_reasoning") is False,
+                    ),
+                )
+                walks.discard(me)
+                resp = await self._dispatch(request, call, tenant, hdrs)
+                if ticket is not None and ticket.admission is not None:
+                    resp.headers.update(ticket.admission.headers())
+                return resp
+            except asyncio.CancelledError:
+                # Cancelled from outside (server shutdown past its grace): nothing was produced for
+                # the client, so the reservation goes back, never leaks.
                 await self.settlement.refund(call, ticket)
-                await self._refused(call, req, rid, client_rid, path, t0, e)
-            if ticket is not None and ticket.admission is not None:
-                # Every response says the key's budget (README), errors after admission too: a
-                # client backing off after a worker's 5xx reads what it has left here.
-                return e.response({**ticket.admission.headers(), **echo})
-            return e.response(echo)
-        except Exception:
-            # A bug must still answer in the envelope and give back what it took.
-            log.exception("request %s failed inside the gateway", rid)
+                if me not in self._walks_cut:
+                    raise
+                # The drain's grace ended before this walk reached a worker (a body still
+                # uploading, say): the 503 new requests get, not uvicorn's plain-text 500 later.
+                self._walks_cut.discard(me)
+                if me is not None:
+                    me.uncancel()
+                err = _shutting_down()
+                await self._refused(call, req, rid, client_rid, path, t0, err)
+                return err.response(echo)
+            except APIError as e:
+                if call is not None and call.outcome == "gateway_shutdown":
+                    # A drain cut it off its worker before any byte reached the client
+                    # (gateway.proxy.Proxy.cut_waiting): recorded as a request its worker had, like
+                    # a cut stream, and settled as nothing generated (no usage, no events): the
+                    # reservation is refunded, the concurrency lease freed, once (`finish`).
+                    await self.life.finish(call)
+                elif (
+                    call is not None
+                    and call.upstream_sent
+                    and (not call.stream or e.status == _CLIENT_CLOSED)
+                ):
+                    # Cut off while a worker had it (a whole response's total timeout, a client
+                    # gone, a stream's before its first token): the compute was spent, so it is
+                    # settled (gateway.settlement.charge says what it costs), not refunded.
+                    call.status = e.status
+                    call.outcome = (
+                        "upstream_timeout"
+                        if e.status == 504
+                        else "upstream_too_large"
+                        if e.code == "upstream_response_too_large"
+                        else "client_disconnect"
+                    )
+                    await self.life.finish(call)
+                else:
+                    # No worker produced anything: not the tenant's doing, refund it all.
+                    await self.settlement.refund(call, ticket)
+                    await self._refused(call, req, rid, client_rid, path, t0, e)
+                if ticket is not None and ticket.admission is not None:
+                    # Every response says the key's budget (README), errors after admission too: a
+                    # client backing off after a worker's 5xx reads what it has left here.
+                    return e.response({**ticket.admission.headers(), **echo})
+                return e.response(echo)
+            except Exception as exc:
+                return await self._failed(exc, call, req, ticket, rid, client_rid, path, t0, echo)
+            finally:
+                walks.discard(me)
+        except Exception as exc:
+            return await self._failed(exc, call, req, ticket, rid, client_rid, path, t0, echo)
+
+    async def _failed(
+        self,
+        exc: Exception,
+        call: Call | None,
+        req: ParsedRequest | None,
+        ticket: Ticket | None,
+        rid: str,
+        client_rid: str | None,
+        path: str,
+        t0: float,
+        echo: dict[str, str],
+    ) -> Response:
+        """A bug in the walk, or in its answer to a refusal: the client still gets the envelope
+        with its ids, and the reservation and lease go back (`QuotaGate.release` and the request
+        line's `finish` are once-only, so repeating what the failed handler began is safe).
+        Never raises: a failure of this cleanup is logged too (without a second traceback when
+        it is the same failure again: the handler that broke is the one retried here), and the
+        500 still goes out."""
+        fields: dict[str, object] = {
+            "request_id": rid,
+            "client_request_id": client_rid,
+            "path": path,
+        }
+        log.error(
+            "request %s failed inside the gateway", rid, exc_info=exc, extra={"fields": fields}
+        )
+        err = internal_error()
+        try:
             if ticket is not None:
                 await self.quota.release(ticket, refund_all=True)
-            err = APIError(500, "internal gateway error", "internal_error", code="internal_error")
             await self._refused(call, req, rid, client_rid, path, t0, err)
-            return err.response(echo)
-        finally:
-            walks.discard(me)
+        except Exception as again:
+            repeat = type(again) is type(exc) and again.args == exc.args
+            log.error(
+                "request %s: its cleanup after the failure failed too (%r)",
+                rid,
+                again,
+                exc_info=None if repeat else again,
+                extra={"fields": fields},
+            )
+        return err.response(echo)
 
     async def _refused(
         self,

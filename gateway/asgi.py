@@ -4,7 +4,10 @@ uvicorn serves (gateway/server.py, gateway/cli.py).
 
 Apart from the Gateway because it is the one place that knows Starlette's assembly, and because
 `FastPathApp`, the edge every request enters first, sends the completion paths straight to the
-walk past Starlette's middleware and router.
+walk past Starlette's middleware and router. Being the edge, it is also where what the walk and
+Starlette leave to the server is settled: a failure that escaped them still gets the envelope
+and the request's ids, its traceback logged once under that id, and a request Starlette served
+gets the request line the walk writes for its own.
 """
 
 from __future__ import annotations
@@ -19,17 +22,29 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.app import Gateway
 from gateway.config import Settings
 from gateway.endpoints import Endpoints
-from gateway.errors import APIError
-from gateway.ids import echo_raw
+from gateway.errors import APIError, internal_error
+from gateway.ids import client_request_id, echo_headers, echo_raw, next_request_id
+from gateway.lifecycle import reqlog
+from gateway.logs import log_fields
 from gateway.server import HEAD_AT
 from gateway.validate import CHAT, COMPLETIONS
 
 log = logging.getLogger("kvgate.gateway")
+
+# Scope key: the exception `on_error` answered and logged (Starlette's error middleware raises it
+# again after the 500 is out, for the server to log a second time; `FastPathApp` drops it).
+_ANSWERED = "kvgate.answered_error"
+_RID_FIELD = b"x-kvgate-request-id"
+# Probe and scrape paths: a load balancer or Prometheus asks every few seconds per replica, and a
+# request line for each ordinary answer would bury the rest. Their unusual answers (`_quiet`) are
+# still logged.
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+_PATH_LOGGED = 256  # a path outside the routes is the client's string (up to 16 KiB): capped
 
 
 def create_app(settings: Settings, config_path: Path | None = None) -> FastPathApp:
@@ -58,8 +73,20 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
     ]
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, "internal gateway error", "internal_error").response()
+        # The ids are picked here, not by the server when the 500 goes out: the log line that
+        # holds the traceback must name the id the client was given.
+        scope = request.scope
+        rid, client = next_request_id(), client_request_id(scope["headers"])
+        log.error(
+            "request %s failed inside the gateway (%s %s)",
+            rid,
+            scope["method"],
+            _capped(scope["path"]),
+            exc_info=exc,
+            extra={"fields": {"request_id": rid, "client_request_id": client}},
+        )
+        scope[_ANSWERED] = exc
+        return internal_error().response(echo_headers(rid, client))
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return APIError(404, f"no route {request.url.path}", "invalid_request_error").response()
@@ -77,6 +104,48 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
     )
     app.state.gateway = gw
     return FastPathApp(app, gw)
+
+
+def _capped(path: str) -> str:
+    return path if len(path) <= _PATH_LOGGED else path[:_PATH_LOGGED]
+
+
+def _quiet(status: int) -> bool:
+    """A probe's or scrape's ordinary answer: a success, or /ready's 503 (not ready, draining:
+    what the probe asks). A client error (a scrape without the admin key, a wrong method) or a
+    failure is logged."""
+    return status < 400 or status == 503
+
+
+class _Answer:
+    """``send`` for a request outside the walk: adds the ids every response carries when the
+    route set none (`on_error` sets its own, to log under them) and notes what was answered,
+    for the request line, which must name the id the client got. The server's own `_with_ids`
+    then finds them set."""
+
+    __slots__ = ("_headers", "_send", "complete", "rid", "status")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self._headers = headers
+        self.rid: str | None = None
+        self.status: int | None = None
+        self.complete = False
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            headers = list(message.get("headers", ()))
+            rid = next((v for k, v in headers if k.lower() == _RID_FIELD), None)
+            if rid is None:
+                self.rid, _client, ids = echo_raw(self._headers)
+                message = {**message, "headers": headers + ids}
+            else:
+                self.rid = rid.decode("latin-1")
+            self.status = message["status"]
+        elif kind == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
 
 
 def _header_bytes(scope: Scope) -> int:
@@ -134,17 +203,13 @@ class FastPathApp:
         self._unlogged = 0  # refusals over the budget, not yet reported
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and _header_bytes(scope) > self._gw.settings.server.max_header_bytes
-        ):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)  # the lifespan
+            return
+        if _header_bytes(scope) > self._gw.settings.server.max_header_bytes:
             await self._refuse(scope, send, 431, _HEADERS_TOO_LARGE)
             return
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and scope["path"] in (CHAT, COMPLETIONS)
-        ):
+        if scope["method"] == "POST" and scope["path"] in (CHAT, COMPLETIONS):
             if self._active >= self._gw.settings.server.max_concurrent_requests:
                 # A flood of connections must not become a flood of tasks, buffers and queue
                 # entries: past the cap, a cheap refusal before anything is read.
@@ -152,12 +217,119 @@ class FastPathApp:
                 return
             self._active += 1
             try:
-                response = await self._gw.completions(Request(scope, receive))
-                await response(scope, receive, send)
+                # The walk answers its own failures (gateway.app: `Gateway._failed`); these
+                # handlers are for what is left, and cost nothing until they catch.
+                try:
+                    response = await self._gw.completions(Request(scope, receive))
+                except Exception as exc:
+                    if not await self._failed(scope, receive, send, exc, None):
+                        raise
+                    return
+                try:
+                    await response(scope, receive, send)
+                except Exception as exc:
+                    if not await self._failed(scope, receive, send, exc, response):
+                        raise
             finally:
                 self._active -= 1
             return
-        await self.app(scope, receive, send)
+        await self._route(scope, receive, send)
+
+    async def _failed(
+        self, scope: Scope, receive: Receive, send: Send, exc: Exception, response: Response | None
+    ) -> bool:
+        """A bug that escaped the walk (or its response's sending), as uvicorn would have met it:
+        a plain-text 500 without the request's ids, its traceback logged under no id. Logged
+        once here, under the id the response carries (a new one if none was made), then the
+        envelope with the ids when nothing was sent yet, else the connection closes (a response
+        begun cannot be answered again). False under a server whose request cycle says nothing
+        of what was sent: the caller re-raises, and that server answers as it would have."""
+        cycle = getattr(send, "__self__", None)
+        started = getattr(cycle, "response_started", None)
+        if not isinstance(started, bool):
+            return False
+        rid = response.headers.get("x-kvgate-request-id") if response is not None else None
+        rid = rid or next_request_id()
+        client = client_request_id(scope["headers"])
+        log.error(
+            "request %s failed inside the gateway",
+            rid,
+            exc_info=exc,
+            extra={
+                "fields": {"request_id": rid, "client_request_id": client, "path": scope["path"]}
+            },
+        )
+        if cycle.disconnected:
+            return True
+        if not started:
+            await internal_error().response(echo_headers(rid, client))(scope, receive, send)
+        elif not cycle.response_complete:
+            # As uvicorn does for a failed app mid-response, minus its second traceback; marked
+            # gone as a lost connection is (the relay's `_drop_client` does the same).
+            cycle.transport.close()
+            cycle.disconnected = True
+        return True
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request outside the walk, through Starlette: with the ids every response carries,
+        and a request line (`_log_route`), which the walk writes for its own requests.
+
+        Starlette's error middleware raises a failure again once `on_error` has logged and
+        answered it (so that a server may log it): dropped here, it was logged once already."""
+        t0 = scope.get(HEAD_AT) or time.perf_counter()
+        answer = _Answer(send, scope["headers"])
+        try:
+            await self.app(scope, receive, answer.send)
+        except Exception as exc:
+            if scope.get(_ANSWERED) is not exc or (answer.status and not answer.complete):
+                raise  # not answered (the server answers, and closes a response begun)
+        finally:
+            self._log_route(scope, answer, t0)
+
+    def _log_route(self, scope: Scope, answer: _Answer, t0: float) -> None:
+        """The request line of a request outside the walk: the walk's line's identity and timing
+        fields, with the method and, where the route serves one, the tenant. None for an ordinary
+        answer on a probe or scrape path (`QUIET_PATHS`), nor when `logging.requests` is off."""
+        status = answer.status
+        if status is None:  # nothing was answered: the client left first
+            return
+        path = scope["path"]
+        if path in QUIET_PATHS and _quiet(status):
+            return
+        if not (self._gw.life.log_requests and reqlog.isEnabledFor(logging.INFO)):
+            return
+        log_fields(
+            reqlog,
+            "request",
+            {
+                "request_id": answer.rid,
+                "client_request_id": client_request_id(scope["headers"]),
+                "method": scope["method"],
+                "path": _capped(path),
+                "status": status,
+                "e2e_ms": round((time.perf_counter() - t0) * 1000, 3),
+                "tenant": self._tenant(scope) if path == "/v1/models" else None,
+            },
+        )
+
+    def _tenant(self, scope: Scope) -> str | None:
+        """The tenant whose key the request carries, where tenants are configured: /v1/models
+        serves each its own list, and its line says whose it was (the route does not hand its
+        tenant back, so the key is looked up again: one hash, only when a line is written)."""
+        tenants = self._gw.tenants
+        if not tenants.enabled:
+            return None
+        auth: str | None = None
+        key: str | None = None
+        for k, v in scope["headers"]:  # the first of repeats, as `request_headers` takes it
+            if k == b"authorization" and auth is None:
+                auth = v.decode("latin-1")
+            elif k == b"x-api-key" and key is None:
+                key = v.decode("latin-1")
+        try:
+            return tenants.authenticate(auth, key).name
+        except APIError:
+            return None
 
     async def _refuse(
         self,

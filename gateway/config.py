@@ -51,6 +51,10 @@ class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Apply edits of the config file as they land (a file watch, and a stat poll every 2 s).
+    # Off: only SIGHUP and POST /admin/reload read it, for deployments that stage edits and
+    # apply them at a moment of their choosing.
+    watch_config: bool = True
     # Debug header with the routing decision (worker and reason) on every response.
     debug_headers: bool = False
     # Name the worker that served each proxied response in `x-kvgate-worker` (the bench tools
@@ -589,10 +593,25 @@ class Settings(BaseSettings):
                         f"workers {other!r} and {w.name!r} share kv_events {w.kv_events!r}: "
                         "each worker's endpoint is its own server's"
                     )
+        # Named by tenant and position only: an error message goes to logs and terminals, and
+        # even a key's digest is worth a brute-force try there.
+        admin = self.admin.key_sha256
         seen: dict[str, str] = {}
         for name, t in self.tenants.items():
-            for k in t.keys_sha256:
+            for i, k in enumerate(t.keys_sha256):
+                if admin and k == admin:
+                    # The tenant's clients would hold the admin key: every /admin route,
+                    # adding a worker at any URL included.
+                    raise ValueError(
+                        f"tenants.{name}.keys_sha256[{i}] is admin.key_sha256: the admin key "
+                        "must be a key of its own, not also a tenant's"
+                    )
                 if k in seen:
+                    if seen[k] == name:
+                        raise ValueError(
+                            f"tenants.{name}.keys_sha256[{i}] repeats an earlier entry of the "
+                            "same list: remove one (was another key meant?)"
+                        )
                     raise ValueError(f"tenants {seen[k]!r} and {name!r} share an API key")
                 seen[k] = name
         anon = self.tenancy.anonymous_tenant

@@ -46,7 +46,8 @@ class Endpoints:
         """OpenAI's /v1/models: a key is required (when tenants exist) and a tenant sees only the
         models its allowlist grants, like the completion routes' 404 for the rest."""
         try:
-            tenant = self.gw.tenants.authenticate(request.headers.get("authorization"))
+            h = request.headers
+            tenant = self.gw.tenants.authenticate(h.get("authorization"), h.get("x-api-key"))
         except APIError as e:
             return e.response()
         cards = self.gw.registry.served_models()

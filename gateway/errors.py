@@ -76,6 +76,12 @@ def no_capacity(message: str, retry_after_s: float = 1.0) -> APIError:
     )
 
 
+def internal_error() -> APIError:
+    """A bug of the gateway's own, whichever path it broke: one envelope (and `code`) for
+    clients to branch on, the traceback only in the log (under the request's id)."""
+    return APIError(500, "internal gateway error", "internal_error", code="internal_error")
+
+
 def sse_error_event(message: str, type_: str = "upstream_error", code: int = 502) -> bytes:
     """The in-band error vLLM itself sends once a stream has started, then the terminator."""
     return b"data: " + error_body(message, type_, code=code) + b"\n\ndata: [DONE]\n\n"

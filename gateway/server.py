@@ -35,10 +35,11 @@ A few thousand silent or half-sent connections then lock every real client out. 
   `GuardedHttpProtocol._watch_drain`).
 * Protocol-level refusals (bad framing, request smuggling shapes, oversized or late heads) are
   OpenAI error envelopes like every other refusal of the gateway (gateway/errors.py).
-* Every response carries a request id, `x-kvgate-request-id` (gateway/ids.py). The walk sets
-  its own on the two completion paths; on every other request the server adds the ids to a
-  response that lacks them (`_with_ids`: Starlette's routes, their 404/405/500 envelopes), and
-  to its own refusals (`_with_id`).
+* Every response carries a request id, `x-kvgate-request-id` (gateway/ids.py). The app sets
+  them on its answers (the walk on the two completion paths, `gateway.asgi.FastPathApp` on
+  Starlette's routes, whose request lines name the id); on every other request the server adds
+  them to a response that still lacks them (`_with_ids`: uvicorn's own plain-text 500 for an
+  app that failed before answering), and to its own refusals (`_with_id`).
 * `DrainingServer` turns the first SIGTERM/SIGINT into `Gateway.drain` (with a grace the caller
   picks: production's `drain_grace_s`, or a short one for `kvgate dev`), a second into a stop now
   (streams are ended at once, then a normal shutdown); see its docstring for a third.
@@ -174,12 +175,13 @@ _RID_FIELD = b"x-kvgate-request-id"
 
 
 def _with_ids(send: Callable[[Any], Awaitable[None]], request_headers: list[Any]) -> Any:
-    """``send`` for a request outside the walk (Starlette's routes, their 404, 405 and 500
-    envelopes): a response start that lacks `x-kvgate-request-id` gets the ids every response
-    carries (`gateway.ids.echo_headers`), a new id of ours and the client's `x-request-id`
-    echoed. One that has them (the edge's refusals, `FastPathApp._refuse`) is sent as it is.
-    Nothing on the walk's paths: a wrapped send costs a call per message, and a stream sends
-    hundreds."""
+    """``send`` for a request outside the walk: a response start that lacks
+    `x-kvgate-request-id` gets the ids every response carries (`gateway.ids.echo_headers`), a
+    new id of ours and the client's `x-request-id` echoed. One that has them (every answer of
+    `gateway.asgi.FastPathApp`, which picks them to log them) is sent as it is: this is the
+    backstop for what the app did not answer (uvicorn's plain-text 500), and for an app other
+    than the gateway's. Nothing on the walk's paths: a wrapped send costs a call per message,
+    and a stream sends hundreds."""
 
     async def send_with_ids(message: Any) -> None:
         if message["type"] == "http.response.start":

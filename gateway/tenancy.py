@@ -130,14 +130,25 @@ def salt_secret(settings: Settings) -> bytes:
     return hashlib.sha256(b"\x00".join([*material, *(k.encode() for k in keys)])).digest()
 
 
+# What may separate "Bearer" from its key, and pad the value: RFC 7230's OWS and RFC 7235's
+# 1*SP, taken generously (a tab passes), and nothing else (`str.split()` would take U+00A0 too).
+_OWS = " \t"
+
+
 def bearer_key(authorization: str | None) -> str:
-    """The key of an ``Authorization: Bearer <key>`` header ("" if none): the one parse, for
-    tenant and admin keys alike (the admin check kept the spaces the tenant one strips, so
-    ``Bearer  <key>`` worked for a tenant and was a 401 for the admin)."""
+    """The key of an ``Authorization: Bearer <key>`` header ("" if none, or not a usable Bearer
+    credential): the one parse, for tenant and admin keys alike (the admin check kept the
+    spaces the tenant one strips, so ``Bearer  <key>`` worked for a tenant and was a 401 for
+    the admin; a tab after ``Bearer`` was no credential at all, and served as anonymous)."""
     if not authorization:
         return ""
-    scheme, _, rest = authorization.partition(" ")
-    return rest.strip() if scheme.lower() == "bearer" else ""
+    if authorization.startswith("Bearer "):  # what nearly every client sends: one slice
+        return authorization[7:].strip(_OWS)
+    value = authorization.strip(_OWS)
+    sep = value[6:7]
+    if (sep != " " and sep != "\t") or value[:6].lower() != "bearer":
+        return ""
+    return value[7:].lstrip(_OWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,26 +224,65 @@ class Tenants:
         everyone = [*self.by_name.values(), *([self.anonymous] if self.anonymous else [])]
         self.top_priority = max(t.priority for t in everyone) if everyone else 0.0
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        key = bearer_key(authorization)
-        if key and self.enabled:
-            tenant = self._by_key.get(hashlib.sha256(key.encode()).hexdigest())
-            if tenant is None:
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """The tenant a request's credentials name: `authorization` and `api_key` are the
+        ``Authorization`` and ``x-api-key`` headers' values, None when not sent.
+
+        Credentials that were sent and name no tenant are a 401, never the anonymous tenant: a
+        client sending a key expects to be itself or refused, and one whose header the gateway
+        could not parse (``Basic``, a bare key, ``Bearer`` alone) was served and billed as
+        anonymous, hiding its misconfiguration. ``x-api-key`` (LiteLLM, Anthropic-style
+        clients) counts only as the same key ``Authorization`` carries, or alone. An open
+        gateway (no tenants) reads neither: a proxy's own ``Basic`` credentials pass through."""
+        anonymous = self.anonymous
+        if anonymous is not None and not self.enabled:  # the open gateway's one tenant
+            return anonymous
+        if authorization is not None:
+            key = bearer_key(authorization)
+            if not key:
+                raise _unusable_credentials()
+            if api_key is not None and api_key.strip(_OWS) != key:
                 raise APIError(
                     401,
-                    "Incorrect API key provided.",
+                    "The `Authorization` and `x-api-key` headers carry different API keys. "
+                    "Send one key, as `Authorization: Bearer <key>`.",
                     "invalid_request_error",
                     code="invalid_api_key",
                 )
-            return tenant
-        if self.anonymous is not None:
-            return self.anonymous
-        raise APIError(
-            401,
-            "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
-            "invalid_request_error",
-            code="missing_api_key",
-        )
+        elif api_key is not None:
+            key = api_key.strip(_OWS)
+            if not key:
+                raise _unusable_credentials()
+        elif anonymous is not None:
+            return anonymous
+        else:
+            raise APIError(
+                401,
+                "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.",
+                "invalid_request_error",
+                code="missing_api_key",
+            )
+        tenant = self._by_key.get(hashlib.sha256(key.encode()).hexdigest())
+        if tenant is None:
+            raise APIError(
+                401,
+                "Incorrect API key provided.",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
+        return tenant
+
+
+def _unusable_credentials() -> APIError:
+    """Credentials sent in a shape no key can be read from: refused as a wrong key is (a client
+    told `missing_api_key` would look for a header it did send)."""
+    return APIError(
+        401,
+        "The API key could not be read from the request's credentials. "
+        "Send it as `Authorization: Bearer <key>`.",
+        "invalid_request_error",
+        code="invalid_api_key",
+    )
 
 
 def media_bytes(media_tokens: Mapping[str, int], chars_per_token: float) -> dict[str, int]:
