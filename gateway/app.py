@@ -549,20 +549,29 @@ class Gateway:
                 self.metrics.forget_model(model)
 
     def _limited_as(self, tenant: Tenant, model: str) -> str:
-        """The name whose `model_limits` a request for ``model`` counts under: ``model``, or the
-        configured name of the same model under another `--served-model-name` (one `root` on
-        every worker listing both, `Registry.cache_name`). vLLM serves one model under all its
+        """The name whose `model_limits` a request for ``model`` counts under: ``model``, or
+        another name the same server serves the same model under (`--served-model-name a b`:
+        both cards name one `root`, neither an adapter). vLLM serves one model under all its
         names, so a limit set on one name was skipped by calling another (rpm 1 on `llama`:
-        429 there, any number of 200s under its alias). Looked up only when the tenant has
-        model limits that do not name ``model``."""
+        429 there, any number of 200s under its alias). Only names served together: two
+        deployments of the same weights under different names (a short- and a long-context
+        one) are two models, their limits apart. Looked up only when the tenant has model
+        limits that do not name ``model``."""
         per_model = tenant.limits.per_model
         if not per_model or model in per_model:
             return model
-        cache_name = self.registry.cache_name
-        root = cache_name(model)  # a LoRA adapter keeps its own name: shared with no other
-        for name in per_model:
-            if cache_name(name) == root:
-                return name
+        for w in self.registry.workers.values():
+            cards = w.model_cards
+            card = cards.get(model)
+            if card is None or card.get("parent"):
+                continue
+            root = card.get("root")
+            if not isinstance(root, str) or not root:
+                continue
+            for name in per_model:
+                other = cards.get(name)
+                if other is not None and other.get("root") == root and not other.get("parent"):
+                    return name
         return model
 
     def _unserved(self, model: str) -> APIError:

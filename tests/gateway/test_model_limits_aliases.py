@@ -86,3 +86,40 @@ async def test_an_adapter_is_limited_apart_from_its_base_model(tmp_path: Path) -
             await g.wait_healthy(1)
             got = await _statuses(g.url, (MODEL, ADAPTER, ADAPTER, MODEL))
     assert got == [200, 200, 200, 429]
+
+
+def _one_name_worker(name: str) -> Starlette:
+    """A deployment serving the shared weights under one name of its own."""
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    async def models(request: Request) -> Response:
+        card = {"id": name, "object": "model", "root": "/models/llama-8b", "parent": None}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat(request: Request) -> Response:
+        await request.body()
+        return JSONResponse(chat_completion())
+
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+
+
+async def test_two_deployments_of_the_same_weights_keep_their_own_limits(tmp_path: Path) -> None:
+    """One root, two servers, one name each (a short- and a long-context deployment): two
+    models to the operator, so a limit on one is not the other's."""
+    async with (
+        serve_app(_one_name_worker(MODEL)) as a,
+        serve_app(_one_name_worker(ALIAS)) as b,
+    ):
+        tenant = {"model_limits": {MODEL: {"rpm": 1, "burst_requests": 1}}}
+        async with run_gateway(keyed_settings([a, b], KEY, tmp_path / "u.jsonl", tenant)) as g:
+            await g.wait_healthy(2)
+            got = await _statuses(g.url, (MODEL, ALIAS, ALIAS, MODEL))
+    assert got == [200, 200, 200, 429]
