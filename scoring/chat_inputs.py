@@ -179,13 +179,20 @@ def _parts(content: Any) -> list[str | dict[str, Any]]:
 
 
 def _content(content: Any, fmt: ContentFormat) -> str | list[dict[str, Any]]:
+    """Content as the template receives it: parts (``openai``) or their text joined by newlines.
+
+    Joining, vLLM keeps only truthy parts, so an empty text part adds no newline; as parts
+    (`{"type": "text", "text": ""}`, truthy) it is kept. Joined here with their newlines, 600
+    empty parts and "hello" were 609 tokens where vLLM counted 9 (review finding): a wrong 400
+    against `max_input_tokens`, and a route key that matched no worker block.
+    """
     parts = _parts(content)
     if fmt == "openai":
         return [
             {"type": "text", "text": p} if isinstance(p, str) else {"type": p["type"]}
             for p in parts
         ]
-    return "\n".join(p if isinstance(p, str) else p["_ph"] for p in parts)
+    return "\n".join(p if isinstance(p, str) else p["_ph"] for p in parts if p != "")
 
 
 def _tool_calls(calls: Any) -> list[Any] | None:
@@ -379,33 +386,42 @@ _FLAT_DEPTH = 16
 _NEVER_DEEP = -(1 << 40)
 
 
-def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
+def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH, sp: int = 1) -> int:
     """About the UTF-8 size of ``obj`` as a template writes it (``tojson``, or ``key: value``):
-    strings (escapes included, ``json_str_bytes``), keys and numbers exactly, separators
-    approximated (4 per key, 1 per item). Templates serialise tool schemas and documents whole,
-    so their keys are prompt tokens too. Parsed JSON holds only these exact types, so ``type()
-    is`` stands in for the ABC checks.
+    strings (escapes included, ``json_str_bytes``), keys and numbers exactly, separators as
+    ``tojson`` (``json.dumps``) writes them: ``", "`` and ``": "``, so 6 bytes a key and 2 an
+    item (``sp=0``: compact JSON's ``,`` and ``:``, the body as sent, ``body_bytes``). Charged
+    compact, a list of 600 zeros in a tool call rendered 1.5x its bytes (review finding).
+    Templates serialise tool schemas and documents whole, so their keys are prompt tokens too.
+    Parsed JSON holds only these exact types, so ``type() is`` stands in for the ABC checks.
 
     Past ``flat`` levels every element is charged what ``tojson(indent=4)`` writes before it, a
     newline and 4 x depth spaces (``depth``: the container's level, 1 for the outermost), as is
-    each container's closing line. Fields a common template prints that way (`_indented_bytes`)
-    are sized so from the top; any other past ``_FLAT_DEPTH``, where a list nested d deep is 2d
-    bytes of body and ~4d^2 indented (6 kB of deep tool schemas rendered 2.5 MB, ~300x, past a
-    2,000-token `max_input_tokens`: review finding).
+    each container's closing line; there an item's separator is ``,`` alone. Fields a common
+    template prints that way (`_indented_bytes`) are sized so from the top; any other past
+    ``_FLAT_DEPTH``, where a list nested d deep is 2d bytes of body and ~4d^2 indented (6 kB of
+    deep tool schemas rendered 2.5 MB, ~300x, past a 2,000-token `max_input_tokens`: review
+    finding).
     """
     t = type(obj)
     if t is str:
         return json_str_bytes(obj)
-    ind = 4 * depth + 1 if depth > flat else 0
+    if depth > flat:
+        ind = 4 * depth + 1
+        item = 1 + ind  # `,` and the next line
+    else:
+        ind = 0
+        item = 1 + sp
     if t is dict:
         n = 2 + ind
+        key = 3 + item + (1 if ind else sp)  # its quotes, `: ` (`:` compact) and separator
         for k, v in obj.items():
-            n += _scalar_bytes(k) + 4 + ind
+            n += _scalar_bytes(k) + key
             tv = type(v)
             if tv is str:
                 n += json_str_bytes(v)
             elif tv is dict or tv is list:
-                n += _json_bytes(v, depth + 1, flat)
+                n += _json_bytes(v, depth + 1, flat, sp)
             else:
                 n += _scalar_bytes(v)
         return n
@@ -413,17 +429,17 @@ def _json_bytes(obj: Any, depth: int = 1, flat: int = _FLAT_DEPTH) -> int:
         if obj and _SCALARS.issuperset(map(type, obj)):
             # Numbers, booleans and nulls only (a long enum, an embedding): orjson writes them
             # as the template does, in C. Walked one by one, 2M zeros in a 4 MiB tool schema
-            # held the event loop ~0.7 s (review). Each element: its text, its comma, its line.
-            return len(orjson.dumps(obj)) + 1 + ind * (len(obj) + 1)
+            # held the event loop ~0.7 s (review). Each element: its text and its separator.
+            return len(orjson.dumps(obj)) + (item - 1) * len(obj) + 1 + ind
         n = 2 + ind
         for v in obj:
             tv = type(v)
             if tv is str:
-                n += json_str_bytes(v) + 1 + ind
+                n += json_str_bytes(v) + item
             elif tv is dict or tv is list:
-                n += _json_bytes(v, depth + 1, flat) + 1 + ind
+                n += _json_bytes(v, depth + 1, flat, sp) + item
             else:
-                n += _scalar_bytes(v) + 1 + ind
+                n += _scalar_bytes(v) + item
         return n
     return _scalar_bytes(obj)
 
@@ -438,7 +454,7 @@ def _indented_bytes(obj: Any) -> int:
     small tools: 1,023 B compact, 2,103 B indented), which is what such a template prints; a
     template printing them compact is over-charged by that much (the reservation's excess is
     settled back; the input cap errs on the safe side). Messages are not sized this way: their
-    text is printed as is, and the JSON in them (tool calls' arguments) compact.
+    text is printed as is, and the JSON in them (tool calls' arguments) on one line.
 
     A list is sized from depth 0 (each element one line: its own newline) so that its elements
     are at depth 1: these templates print each tool or document on its own, not the list."""
@@ -448,15 +464,20 @@ def _indented_bytes(obj: Any) -> int:
 def body_bytes(body: Mapping[str, Any]) -> int:
     """About the body's own size as compact JSON, to compare what it renders to
     (``rendered_bytes``) without serialising it."""
-    return _json_bytes(body, _NEVER_DEEP)
+    return _json_bytes(body, _NEVER_DEEP, sp=0)
 
 
 def _content_bytes(content: Any, media: Mapping[str, int]) -> int:
-    """A message's ``content`` as ``_parts`` renders it: text parts' text, each media part what
+    """A message's ``content`` as ``_content`` renders it: text parts' text, each media part what
     `media` charges its kind (an image's base64 is not its token count: vLLM expands a part into
     model-specific tokens apart from the text, so the operator states what one part may cost),
     and any other part type its JSON. Only content *parts* are media: a ``file`` key elsewhere
-    (tool-call arguments, documents) is text the template renders."""
+    (tool-call arguments, documents) is text the template renders.
+
+    Plus the newline vLLM joins the parts with (string content format, most text models), one
+    before each part but the first, empty text parts left out as vLLM leaves them out (and media
+    of a kind left free, as the operator set it): counting the text alone, 1,000 one-byte parts
+    rendered ~2 kB charged as 1 kB, ~8x the tokens estimated (review finding)."""
     if type(content) is str:
         return utf8_len(content)
     if content is None:
@@ -466,26 +487,102 @@ def _content_bytes(content: Any, media: Mapping[str, int]) -> int:
     elif type(content) is not list:
         return _json_bytes(content)
     n = 0
+    joined = 0  # parts the rendered text is joined from
     for part in content:
         if type(part) is str:
+            if not part:
+                continue
             n += utf8_len(part)
         elif type(part) is dict:
             kind = part_type(part) or "text"
             key = _TEXT_PART_KEYS.get(kind)
             if key is not None:
                 text = part.get(key)
-                if text is not None:
-                    n += utf8_len(text) if type(text) is str else _json_bytes(text)
+                if text is None or text == "":
+                    continue
+                n += utf8_len(text) if type(text) is str else _json_bytes(text)
             elif (mk := _MEDIA_KINDS.get(kind)) is not None:
-                n += media.get(mk, 0)
+                charge = media.get(mk, 0)
+                if not charge:  # its kind is free, its newline too (text-only fleets)
+                    continue
+                n += charge
             else:
                 n += _json_bytes(part)
         else:
             n += _json_bytes(part)
-    return n
+        joined += 1
+    return n + joined - 1 if joined else 0
 
 
-def _messages_bytes(msgs: Any, media: Mapping[str, int]) -> int:
+# Tool-call `arguments` strings re-serialised to size them exactly, at most this many characters
+# a request (`_messages_bytes`): past it they are sized by a bound from byte counts alone
+# (`_arguments_bytes`). Parsing and printing a list of numbers costs up to ~100 ns a character
+# (`1e15`s, zeros; random floats ~60, strings ~4-9), a 4 MiB body of them ~0.4 s of a held
+# event loop; 32 KiB is ~3 ms at most.
+_ARGS_PARSE_BUDGET = 32 * 1024
+# Folds what the bound in `_arguments_bytes` counts into fewer patterns: any digit to 0, `E` to
+# `e`, `:` to `,` (either separator gains the same space).
+_BOUND_FOLD = bytes.maketrans(b"123456789E:", b"000000000e,")
+_SEVENTEEN_DIGITS_POINT = b"0" * 17 + b"."
+
+
+def _arguments_bytes(args: str, budget: int) -> tuple[int, int]:
+    """A tool call's ``arguments`` string as a template prints it, and the parse budget left.
+
+    vLLM ``json.loads`` the string and templates print the object back with ``tojson``
+    (``json.dumps``: ``", "``, ``": "``, floats by ``repr``), so what renders is not what was
+    sent: ``[0,0,...]`` is 1.5x its bytes, ``[[],...]`` 1.3x, ``1e15`` 18 bytes for 4 (~5x,
+    review findings). Charged the larger of that re-serialisation and the string's size as the
+    walk has always taken it (``json_str_bytes``, all an unparseable one gets: vLLM prints
+    ``{}`` for it).
+
+    The re-serialisation can outgrow the string only by a space after each ``,`` and ``:`` that
+    lacks one, 14 bytes per number in exponent form (``1e15``) and 3 per float of 17 or more
+    digits before its point (``12345678901234567.0`` -> ``1.2345678901234568e+16``); escapes and
+    whitespace only shrink. That bound, from C-level byte counts (~10 ns a character, as
+    ``json_str_bytes``), settles the usual call, prose or code in strings, without parsing; the
+    rest (lists of numbers) is parsed while the request's budget lasts, else charged the bound.
+    """
+    raw = json_str_bytes(args)
+    b = args.encode("utf-8", "surrogatepass").translate(_BOUND_FOLD)
+    bound = (
+        len(b)
+        + b.count(b",")
+        - b.count(b", ")
+        + 14 * b.count(b"0e")
+        + 3 * b.count(_SEVENTEEN_DIGITS_POINT)
+    )
+    if bound <= raw:
+        return raw, budget
+    if len(args) > budget:
+        return bound, budget
+    try:
+        printed = utf8_len(json.dumps(json.loads(args), ensure_ascii=False))
+    except (ValueError, RecursionError):  # vLLM coerces it to `{}`: the string's size stands
+        printed = 0
+    return max(raw, printed), budget - len(args)
+
+
+def _tool_calls_bytes(calls: Any, budget: int) -> tuple[int, int]:
+    """A message's ``tool_calls`` as ``_json_bytes`` sizes them, but each
+    ``function.arguments`` string as ``_arguments_bytes`` does; and the parse budget left."""
+    if type(calls) is not list:
+        return _json_bytes(calls), budget
+    n = 2
+    for call in calls:
+        fn = call.get("function") if type(call) is dict else None
+        args = fn.get("arguments") if type(fn) is dict else None
+        if type(args) is str:
+            size, budget = _arguments_bytes(args, budget)
+            n += size - 2  # in place of the empty string sized below
+            call = {**call, "function": {**fn, "arguments": ""}}
+        n += _json_bytes(call, 2) + 2
+    return n, budget
+
+
+def _messages_bytes(msgs: Any, media: Mapping[str, int], budget: int = _ARGS_PARSE_BUDGET) -> int:
+    """``budget``: characters of tool-call arguments this request may parse (a default, so the
+    plain chat pays nothing for it)."""
     if type(msgs) is not list:
         return _json_bytes(msgs)
     n = 8 * len(msgs)  # role markers of the chat template
@@ -498,7 +595,13 @@ def _messages_bytes(msgs: Any, media: Mapping[str, int]) -> int:
             n += len(c) if c.isascii() else utf8_len(c)
             continue
         for k, x in m.items():
-            n += _content_bytes(x, media) if k == "content" else _json_bytes(x)
+            if k == "content":
+                n += _content_bytes(x, media)
+            elif k == "tool_calls":
+                size, budget = _tool_calls_bytes(x, budget)
+                n += size
+            else:
+                n += _json_bytes(x)
     return n
 
 
