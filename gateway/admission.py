@@ -31,12 +31,19 @@ Wiring (for gateway/app.py)
       given twice. With a bool predicate, waiters are released one per event-loop turn (safe).
       Those grants are counted across all pools, not per pool: pools can share workers (a base
       model and its LoRA adapters are models served by the same worker), and a per-pool count
-      gave one free slot once per pool. A pool held back only by another pool's grants is kicked
-      again as soon as they are used (the next loop turn), so disjoint pools lose nothing.
+      gave one free slot once per pool. Counting is not enough when one pool's workers are a
+      subset of another's (an adapter on some of its base model's workers, a retry's untried
+      workers): the proxy picks any worker with room, so a grant or a no-wait admission in the
+      wider pool can take the very slot a pending grant of the narrower one counts on. So a
+      pool grants while another pool's grants are pending only if each of those still finds
+      more room than there are pending grants (their predicates are asked again). A pool held
+      back by another pool's grants is kicked again as soon as they are used (the next loop
+      turn), so disjoint pools lose nothing.
     * ``has_room`` must report the same room for every waiter of a tier in a pool (the kick stops
       at the first head without room): gateway/slots.py decides the priority reserve by tier.
       A retry counts only the workers it has not tried, so retries wait in queues of their own,
-      one per model and set of tried workers (``admit(tried=...)``). A negative room means that
+      one per model and set of tried workers (``admit(tried=...)``); ``max_queued`` and
+      ``max_queued_per_tenant`` bound a model's queues together. A negative room means that
       none of the workers a waiter may use serves its model any more: it is refused at once
       (503) instead of waiting out its deadline.
     * Call ``kick(model)`` (or ``kick()``) when a request releases its worker and after each
@@ -92,7 +99,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.errors import APIError, no_capacity
-from gateway.fair_queue import Entry, FairQueue, Reason, Rejection, State, tier_of
+from gateway.fair_queue import Entry, FairQueue, Pushed, Reason, Rejection, State, tier_of
 
 __all__ = [
     "AdmissionController",
@@ -176,6 +183,10 @@ class _Pool:
     tiers: set[int] = field(default_factory=set)
     held: bool = False  # its head had room that pending grants (any pool's) held back
     retry: bool = False  # a queue of retries (``AdmissionController._retries``)
+    granted: int = 0  # its grants whose waiters have not resumed yet
+    # Per tier of those grants: how many, and one waiter's room predicate (a tier's agree), which
+    # other pools ask before granting (``AdmissionController._others_fit``).
+    grants: dict[int, tuple[int, Callable[[], int | bool]]] = field(default_factory=dict)
 
 
 _NO_RETRIES: dict[frozenset[str], _Pool] = {}  # a model with no retry waiting (never written)
@@ -238,6 +249,7 @@ class AdmissionController:
         # Waiters handed a slot that have not resumed (so in_flight lacks them), in every pool:
         # pools share workers, so one pool's pending grant may take the slot another pool sees.
         self._granted = 0
+        self._granting: list[_Pool] = []  # the pools with such grants (``_Pool.granted``)
         self._held: list[_Pool] = []  # pools to kick again once pending grants are used
         self._closed: tuple[str, float] | None = None
         self._bypass = not self.settings.enabled  # disabled or closed: one check on the fast path
@@ -274,7 +286,12 @@ class AdmissionController:
                 raise self._closed_error()
             return _FAST
         p = self._retries.get(pool, _NO_RETRIES).get(tried) if tried else self._pools.get(pool)
-        if (p is None or not p.queue._size) and has_room() > self._granted:
+        if (
+            (p is None or not p.queue._size)
+            and has_room() > self._granted
+            # Pending grants all this pool's (or none): the count is enough; else theirs too.
+            and (self._granted == (p.granted if p is not None else 0) or self._others_fit(p))
+        ):
             return _FAST
         return await self._wait(tenant, priority, weight, deadline_s, has_room, pool, cost, tried)
 
@@ -314,7 +331,7 @@ class AdmissionController:
             payload=(fut, has_room),
             priority=priority,
         )
-        pushed = p.queue.push(e, now)
+        pushed = self._push(p, e, now)
         for v in pushed.shed:
             self._fail(p, v)
         if pushed.rejected is not None:
@@ -335,8 +352,50 @@ class AdmissionController:
         finally:
             self._prune(p)
         # This task now dispatches synchronously (in_flight grows); then the next may go.
-        self._grant_done(p)
+        self._grant_done(p, e)
         return admitted
+
+    def _push(self, p: _Pool, e: Entry, now: float) -> Pushed:
+        """Queue ``e`` in ``p`` within the bounds of its model's queues together (its own and
+        its retries'): each is a ``FairQueue`` with bounds of its own, and the model's total
+        reached ``max_queued`` once per set of tried workers (review: 4 queued with 1 allowed).
+        A full model sheds a lower tier's newest entry from whichever of its queues holds the
+        lowest tier, as one queue would."""
+        q = p.queue
+        if not p.retry and p.name not in self._retries:  # the common case: the model's one queue
+            return q.push(e, now)
+        others = [o for o in self._named(p.name) if o is not p and o.queue._size]
+        if not others:
+            return q.push(e, now)
+        s = self.settings
+        n_other = sum(o.queue._size for o in others)
+        cap = s.max_queued_per_tenant
+        if cap:
+            mine = sum(o.queue.depth_of(e.tenant) for o in others)
+            if mine >= cap:
+                return q._refuse(e, Reason.TENANT_LIMIT, 429, now)
+            cap -= mine
+        # Another queue's lowest tier, if below both the newcomer's and this queue's: shed there.
+        lowest = min(q.depth_by_tier(), default=e.tier)
+        victim: _Pool | None = None
+        for o in others:
+            low = min(o.queue.depth_by_tier())
+            if low < min(lowest, e.tier):
+                victim, lowest = o, low
+        room = max(s.max_queued - n_other + (victim is not None), 0)
+        q.max_queued, q.max_queued_per_tenant = room, cap
+        try:
+            pushed = q.push(e, now)
+        finally:
+            q.max_queued, q.max_queued_per_tenant = s.max_queued, s.max_queued_per_tenant
+        if victim is not None and pushed.rejected is None and q._size + n_other > s.max_queued:
+            found = victim.queue._victim(e)
+            assert found is not None  # a tier below the newcomer's is queued there
+            v = found[0]
+            victim.queue._leave(v, State.SHED, now, Reason.SHED, 503)
+            self._fail(victim, v)
+            self._prune(victim)
+        return pushed
 
     def _abandon(self, p: _Pool, e: Entry, fut: asyncio.Future[Admitted]) -> None:
         if e.state is State.QUEUED:
@@ -346,7 +405,7 @@ class AdmissionController:
             # Granted, but the client left before using it: pass the slot on. (A refusal's
             # exception was retrieved by the check, so asyncio does not log it as lost.)
             self.observer.cancelled(p.name, e.tier, e.wait_s)
-            self._grant_done(p)
+            self._grant_done(p, e)
 
     def _prune(self, p: _Pool) -> None:
         """Drop an emptied retry queue: one is made per set of tried workers, and kept they
@@ -361,11 +420,30 @@ class AdmissionController:
                 if not by_tried:
                     del self._retries[p.name]
 
-    def _grant_done(self, p: _Pool) -> None:
+    def _grant(self, p: _Pool, e: Entry) -> None:
+        """``e``, just popped from ``p``, holds a slot until its waiter resumes."""
+        self._granted += 1
+        if not p.granted:
+            self._granting.append(p)
+        p.granted += 1
+        n, room = p.grants.get(e.tier, (0, e.payload[1]))
+        p.grants[e.tier] = (n + 1, room)
+        e.payload[0].set_result(Admitted(e.wait_s, True))
+        self.observer.admitted(p.name, e.tier, e.wait_s)
+
+    def _grant_done(self, p: _Pool, e: Entry) -> None:
         """A grant was used (in_flight has it now) or given back: the room it held is either
         taken or free again, so ``p`` and every pool it held back look again, after the
         dispatch."""
         self._granted -= 1
+        p.granted -= 1
+        if not p.granted:
+            self._granting.remove(p)
+        n, room = p.grants[e.tier]  # a granted entry is no longer retiered: its tier is kept
+        if n > 1:
+            p.grants[e.tier] = (n - 1, room)
+        else:
+            del p.grants[e.tier]
         loop = self._loop
         if loop is None:
             return
@@ -373,6 +451,23 @@ class AdmissionController:
             loop.call_soon(self._kick_held)
         if p.queue._size:
             loop.call_soon(self._kick_pool, p)
+
+    def _others_fit(self, p: _Pool | None) -> bool:
+        """Whether one more admission in ``p`` leaves every other pool's pending grants their
+        slot: each must still see more room than there are pending grants, since the newcomer
+        may take a slot in its workers (``p``'s own are covered by its count: same workers).
+        Asked only while another pool's grants are pending, i.e. for a loop turn or so."""
+        g = self._granted
+        try:
+            for o in self._granting:
+                if o is not p:
+                    for _, room in o.grants.values():
+                        if room() <= g:
+                            return False
+        except Exception:  # held back until those grants are used, rather than over-admitted
+            log.exception("admission has_room predicate failed")
+            return False
+        return True
 
     def _kick_held(self) -> None:
         held, self._held = self._held, []
@@ -455,15 +550,13 @@ class AdmissionController:
                 fut.set_exception(_none_left(p.name))
                 self.observer.refused(p.name, e.tier, "no_capacity", 503)
                 continue
-            if room <= self._granted:
+            if room <= self._granted or (self._granted != p.granted and not self._others_fit(p)):
                 if room and not p.held:  # room, but pending grants may take it: look again
                     p.held = True
                     self._held.append(p)
                 break
             q.pop(now)
-            self._granted += 1
-            fut.set_result(Admitted(e.wait_s, True))
-            self.observer.admitted(p.name, e.tier, e.wait_s)
+            self._grant(p, e)
 
     def _fail(self, p: _Pool, e: Entry) -> None:
         rej = e.rejection
@@ -597,9 +690,7 @@ class AdmissionController:
                         q.remove(e, now)
                         continue
                     q.pop(now)
-                    self._granted += 1
-                    fut.set_result(Admitted(e.wait_s, True))
-                    self.observer.admitted(p.name, e.tier, e.wait_s)
+                    self._grant(p, e)
 
     def close(
         self, reason: str = "The gateway is shutting down.", retry_after_s: float = 5.0

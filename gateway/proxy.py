@@ -89,8 +89,9 @@ class Proxy:
         self.deadlines = Deadlines()
         # Set when a drain's grace ends (`cut_waiting`): the 503 message; no wait, no retry.
         self.closing: str | None = None
-        # A retry that finds no untried worker with room waits here (the app's admission queue,
-        # with what is left of the request's deadline); None: it goes to a full worker.
+        # Every retry is admitted here (the app's admission queue, counting only the workers it
+        # has not tried, with what is left of the request's deadline), at once when there is
+        # room; None: no admission, it goes wherever `Slots.eligible` points.
         self.wait_room: Callable[[Call, Collection[str], float], Awaitable[object]] | None = None
 
     # -- dispatch --------------------------------------------------------------------------------
@@ -118,16 +119,15 @@ class Proxy:
                 cands = eligible(call.model, tried, call.pool_ok)
                 if not cands:
                     break
-                if (
-                    call.attempts
-                    and self.wait_room is not None
-                    and not self.slots.worker_room(cands[0])
-                ):
-                    # A retry, and every untried worker is full (`eligible` lists roomy ones
-                    # first, so the first has none): admission counted the refusing worker's
-                    # slot, not one of theirs. Sent on, a worker capped at 1 ran 6 at once
-                    # beside one that refused everything; it waits for room as a new request
-                    # does, within its own deadline, and a drain or a lost client ends the wait.
+                if call.attempts and self.wait_room is not None:
+                    # A retry: admission counted the refusing worker's slot, not one of the
+                    # others'. Sent on to a full worker, one capped at 1 ran 6 at once beside one
+                    # that refused everything; so it is admitted again, as a new request is,
+                    # within its own deadline (a drain or a lost client ends the wait). Always,
+                    # not only when the untried workers look full: a free slot may be granted to
+                    # a waiter that has not dispatched yet, or be the priority reserve its tier
+                    # may not take (review: both taken by a retry that read `worker_room` alone).
+                    # Admission's no-wait path is the same few comparisons (`Slots.free`).
                     await self.wait_room(call, tried, deadline)
                     if self.closing is not None:
                         raise self._shut_down(call, None)

@@ -105,7 +105,7 @@ class Slots:
         tier, so the queue never finds room for one waiter of a tier and none for another.
         A retry's count leaves out the workers it ``tried``: their room is no use to it; -1 when
         none of the others serves ``model`` (admission refuses it: no wait can help)."""
-        free = total = 0
+        free = total = spare = 0
         room = self.worker_room
         untried = not tried
         for w in self.registry.candidates(model):
@@ -113,6 +113,8 @@ class Slots:
             if not tried or w.name not in tried:
                 free += room(w)
                 untried = True
+            else:
+                spare += room(w)
         if not untried:
             return -1
         if self.reserve_tier and tier_of(priority, self.priority_levels) < self.reserve_tier:
@@ -120,7 +122,11 @@ class Slots:
             # they already run. Withholding only the part of the reserve they leave unused was
             # measured too (bench/spike.py): it let high-priority p99 TTFT reach 10x unloaded,
             # because a busy high tier then finds no slot; fixed headroom kept it at 1.2x.
-            free -= int(total * self.priority_reserve)
+            # Free slots of the workers a retry tried are headroom too: withheld from its own
+            # untried ones alone, the reserve kept a low-tier retry waiting with all 3 of 3
+            # workers free (reserve 2), once retries had to be admitted (gateway/proxy.py).
+            reserve = int(total * self.priority_reserve)
+            free = min(free, free + spare - reserve)
         return free if free > 0 else 0
 
 

@@ -50,7 +50,7 @@ def test_low_priority_never_takes_the_last_reserved_slots() -> None:
 def test_a_full_or_saturated_worker_offers_no_room() -> None:
     gw = _gateway()
     w0, w1 = gw.registry.workers.values()
-    w0.in_flight = 9  # over its cap (retries can overshoot): counts as 0, never negative
+    w0.in_flight = 9  # over its cap (a reload lowered it): counts as 0, never negative
     assert gw.slots.free(MODEL, 0.9) == 4
     w1.metrics = w1.metrics.__class__(kv_usage=0.95)  # KV saturated: new sequences would preempt
     assert gw.slots.free(MODEL, 0.9) == 0
