@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -31,23 +31,13 @@ import pytest
 from gateway import config_watcher
 from gateway.config import Settings, load_settings
 from gateway.config_watcher import ConfigWatcher
+from tests.support.polling import until as _until
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-async def _until(cond: Callable[[], bool], seconds: float = 15.0) -> bool:
-    """Poll with a generous bound: the watcher's timing (debounce, settle) is not under test."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while loop.time() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
 
 
 # Runs inside `unshare -m --propagation private` (argv: a scratch directory, the scenario, and

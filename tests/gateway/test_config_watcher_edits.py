@@ -19,6 +19,7 @@ import pytest
 from gateway import config_watcher
 from gateway.config import Settings, load_settings
 from gateway.config_watcher import ConfigWatcher
+from tests.support.polling import until as _until
 
 KEY_HASH = "a" * 64
 
@@ -28,17 +29,6 @@ def _cfg(*ports: int) -> str:
         f'[[workers]]\nname = "w{i}"\nurl = "http://127.0.0.1:{p}"\n' for i, p in enumerate(ports)
     )
     return f'[logging]\nlevel = "warning"\n[tenants.t]\nkeys_sha256 = ["{KEY_HASH}"]\n{workers}'
-
-
-async def _until(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
-    """Poll with a generous bound: the watcher's timing (debounce, settle) is not under test."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while loop.time() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
 
 
 @pytest.mark.parametrize("text", ["", " \n\t\n", "# kvgate configuration\n\n# [server]\n"])

@@ -19,23 +19,13 @@ from pathlib import Path
 
 from gateway.config import Settings, load_settings
 from gateway.config_watcher import ConfigWatcher
+from tests.support.polling import until as _until
 
 
 def _cfg(port: int) -> str:
     return (
         f'[logging]\nlevel = "warning"\n[[workers]]\nname = "w"\nurl = "http://127.0.0.1:{port}"\n'
     )
-
-
-async def _until(cond: Callable[[], bool], seconds: float = 15.0) -> bool:
-    """Poll with a generous bound: the watcher's timing (debounce, settle) is not under test."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while loop.time() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
 
 
 def _port(w: ConfigWatcher) -> int:

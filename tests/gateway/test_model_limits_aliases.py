@@ -22,17 +22,17 @@ ALIAS = "llama-alias"
 ADAPTER = "my-lora"
 
 
-def _worker() -> Starlette:
-    """One model under two served names, and a LoRA adapter on it (its own model for vLLM's
-    cache, and here for limits)."""
+ROOT = "/models/llama-8b"
+
+
+def _worker(*cards: dict[str, object]) -> Starlette:
+    """A worker listing ``cards`` (each an id and its root, and a parent for an adapter)."""
 
     async def health(request: Request) -> Response:
         return Response(b"")
 
     async def models(request: Request) -> Response:
-        card = {"object": "model", "root": "/models/llama-8b", "parent": None}
-        lora = {"object": "model", "root": "/adapters/my-lora", "parent": MODEL}
-        data = [{"id": MODEL, **card}, {"id": ALIAS, **card}, {"id": ADAPTER, **lora}]
+        data = [{"object": "model", "parent": None, **c} for c in cards]
         return JSONResponse({"object": "list", "data": data})
 
     async def chat(request: Request) -> Response:
@@ -45,6 +45,16 @@ def _worker() -> Starlette:
             Route("/v1/models", models),
             Route("/v1/chat/completions", chat, methods=["POST"]),
         ]
+    )
+
+
+def _aliased() -> Starlette:
+    """One model under two served names, and a LoRA adapter on it (its own model for vLLM's
+    cache, and here for limits)."""
+    return _worker(
+        {"id": MODEL, "root": ROOT},
+        {"id": ALIAS, "root": ROOT},
+        {"id": ADAPTER, "root": "/adapters/my-lora", "parent": MODEL},
     )
 
 
@@ -62,7 +72,7 @@ async def _statuses(url: str, models: tuple[str, ...]) -> list[int]:
 
 
 async def test_a_model_limit_holds_under_the_models_other_served_name(tmp_path: Path) -> None:
-    async with serve_app(_worker()) as url:
+    async with serve_app(_aliased()) as url:
         tenant = {"model_limits": {MODEL: {"rpm": 1, "burst_requests": 1}}}
         async with run_gateway(keyed_settings([url], KEY, tmp_path / "u.jsonl", tenant)) as g:
             await g.wait_healthy(1)
@@ -71,7 +81,7 @@ async def test_a_model_limit_holds_under_the_models_other_served_name(tmp_path: 
 
 
 async def test_a_limit_set_on_the_alias_holds_under_the_first_name(tmp_path: Path) -> None:
-    async with serve_app(_worker()) as url:
+    async with serve_app(_aliased()) as url:
         tenant = {"model_limits": {ALIAS: {"rpm": 1, "burst_requests": 1}}}
         async with run_gateway(keyed_settings([url], KEY, tmp_path / "u.jsonl", tenant)) as g:
             await g.wait_healthy(1)
@@ -80,7 +90,7 @@ async def test_a_limit_set_on_the_alias_holds_under_the_first_name(tmp_path: Pat
 
 
 async def test_an_adapter_is_limited_apart_from_its_base_model(tmp_path: Path) -> None:
-    async with serve_app(_worker()) as url:
+    async with serve_app(_aliased()) as url:
         tenant = {"model_limits": {MODEL: {"rpm": 1, "burst_requests": 1}}}
         async with run_gateway(keyed_settings([url], KEY, tmp_path / "u.jsonl", tenant)) as g:
             await g.wait_healthy(1)
@@ -88,35 +98,12 @@ async def test_an_adapter_is_limited_apart_from_its_base_model(tmp_path: Path) -
     assert got == [200, 200, 200, 429]
 
 
-def _one_name_worker(name: str) -> Starlette:
-    """A deployment serving the shared weights under one name of its own."""
-
-    async def health(request: Request) -> Response:
-        return Response(b"")
-
-    async def models(request: Request) -> Response:
-        card = {"id": name, "object": "model", "root": "/models/llama-8b", "parent": None}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def chat(request: Request) -> Response:
-        await request.body()
-        return JSONResponse(chat_completion())
-
-    return Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-        ]
-    )
-
-
 async def test_two_deployments_of_the_same_weights_keep_their_own_limits(tmp_path: Path) -> None:
     """One root, two servers, one name each (a short- and a long-context deployment): two
     models to the operator, so a limit on one is not the other's."""
     async with (
-        serve_app(_one_name_worker(MODEL)) as a,
-        serve_app(_one_name_worker(ALIAS)) as b,
+        serve_app(_worker({"id": MODEL, "root": ROOT})) as a,
+        serve_app(_worker({"id": ALIAS, "root": ROOT})) as b,
     ):
         tenant = {"model_limits": {MODEL: {"rpm": 1, "burst_requests": 1}}}
         async with run_gateway(keyed_settings([a, b], KEY, tmp_path / "u.jsonl", tenant)) as g:

@@ -20,6 +20,7 @@ from gateway.config import load_settings
 from gateway.config_watcher import ConfigWatcher
 from gateway.errors import APIError
 from tests.gateway.conftest import MODEL, run_gateway
+from tests.support.polling import until as _until
 
 KEY = "kvg-auth-reload-key"
 ADMIN = "kvg-auth-reload-admin"
@@ -109,16 +110,6 @@ def test_a_restart_runs_an_open_config(tmp_path: Path) -> None:
     cfg = tmp_path / "kvgate.toml"
     cfg.write_text(WORKERS)
     assert _who(Gateway(load_settings(cfg), cfg), None) == "anonymous"
-
-
-async def _until(cond, seconds: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while loop.time() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
 
 
 async def test_a_writer_that_pauses_before_the_tenants_never_opens_the_gateway(

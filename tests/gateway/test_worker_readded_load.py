@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +19,7 @@ from gateway.call import Call
 from gateway.config import Settings
 from scoring.views import RouteRequest
 from tests.gateway.conftest import MODEL, run_gateway, settings_for
+from tests.support.polling import until as _until
 from workers.worker import Health, Worker
 
 CARDS = [{"id": MODEL, "object": "model"}]
@@ -136,16 +136,6 @@ async def _held_stream(c: httpx.AsyncClient, url: str) -> AsyncIterator[None]:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                 await reader
-
-
-async def _until(cond: Any, seconds: float = 15.0) -> bool:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while loop.time() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(cond())
 
 
 async def test_through_the_admin_api_the_cap_holds_for_requests_still_running(sims) -> None:  # type: ignore[no-untyped-def]
