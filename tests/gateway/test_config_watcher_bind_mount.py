@@ -166,9 +166,11 @@ def _in_private_mount_namespace(tmp_path: Path, scenario: str, only: str) -> dic
             text=True,
             timeout=120,
         )
-        out = done.stdout + done.stderr
-        if done.returncode != 0 and ("not permitted" in out or "ermission denied" in out):
-            done = None  # no mount namespace (or no mounts) here: hard links instead
+        if done.returncode != 0:
+            # No namespace, or no mount in it (refused in a container, however worded): the
+            # hard links below run the same watcher through the same case. A watcher that
+            # fails there fails the test all the same.
+            done = None
     if done is None:
         for d in tmp_path.iterdir():  # what a refused try may have left
             shutil.rmtree(d)
