@@ -43,7 +43,14 @@ from gateway.core_settings import (
     worker_spec,
 )
 from gateway.desired_workers import AutoscaleSettings, DesiredWorkers, request_tokens
-from gateway.errors import APIError, bad_request, internal_error, model_not_found, no_capacity
+from gateway.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    log_internal_error,
+    model_not_found,
+    no_capacity,
+)
 from gateway.ids import client_rid_ok, echo_headers, next_request_id
 from gateway.keying import load_keyers, route_key
 from gateway.lifecycle import Lifecycle
@@ -944,14 +951,7 @@ class Gateway:
         Never raises: a failure of this cleanup is logged too (without a second traceback when
         it is the same failure again: the handler that broke is the one retried here), and the
         500 still goes out."""
-        fields: dict[str, object] = {
-            "request_id": rid,
-            "client_request_id": client_rid,
-            "path": path,
-        }
-        log.error(
-            "request %s failed inside the gateway", rid, exc_info=exc, extra={"fields": fields}
-        )
+        fields = log_internal_error(exc, rid, client_rid, "POST", path)
         err = internal_error()
         try:
             if ticket is not None:

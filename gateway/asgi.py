@@ -27,7 +27,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.app import Gateway
 from gateway.config import Settings
 from gateway.endpoints import Endpoints
-from gateway.errors import APIError, internal_error
+from gateway.errors import APIError, internal_error, log_internal_error
 from gateway.ids import client_request_id, echo_headers, echo_raw, next_request_id
 from gateway.lifecycle import reqlog
 from gateway.logs import log_fields
@@ -77,14 +77,7 @@ def create_app(settings: Settings, config_path: Path | None = None) -> FastPathA
         # holds the traceback must name the id the client was given.
         scope = request.scope
         rid, client = next_request_id(), client_request_id(scope["headers"])
-        log.error(
-            "request %s failed inside the gateway (%s %s)",
-            rid,
-            scope["method"],
-            _capped(scope["path"]),
-            exc_info=exc,
-            extra={"fields": {"request_id": rid, "client_request_id": client}},
-        )
+        log_internal_error(exc, rid, client, scope["method"], _capped(scope["path"]))
         scope[_ANSWERED] = exc
         return internal_error().response(echo_headers(rid, client))
 
@@ -251,14 +244,7 @@ class FastPathApp:
         rid = response.headers.get("x-kvgate-request-id") if response is not None else None
         rid = rid or next_request_id()
         client = client_request_id(scope["headers"])
-        log.error(
-            "request %s failed inside the gateway",
-            rid,
-            exc_info=exc,
-            extra={
-                "fields": {"request_id": rid, "client_request_id": client, "path": scope["path"]}
-            },
-        )
+        log_internal_error(exc, rid, client, scope["method"], _capped(scope["path"]))
         if cycle.disconnected:
             return True
         if not started:

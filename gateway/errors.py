@@ -6,12 +6,15 @@ Clients (the official SDKs included) branch on `status`, `error.type` and `error
 
 from __future__ import annotations
 
+import logging
 import math
 
 import orjson
 from starlette.responses import Response
 
 JSON = "application/json"
+
+log = logging.getLogger("kvgate.gateway")
 
 
 class APIError(Exception):
@@ -80,6 +83,24 @@ def internal_error() -> APIError:
     """A bug of the gateway's own, whichever path it broke: one envelope (and `code`) for
     clients to branch on, the traceback only in the log (under the request's id)."""
     return APIError(500, "internal gateway error", "internal_error", code="internal_error")
+
+
+def log_internal_error(
+    exc: BaseException, rid: str, client_rid: str | None, method: str, path: str
+) -> dict[str, object]:
+    """The one log line of a bug answered with `internal_error`: its traceback under the id the
+    client was given (the walk's, Starlette's handler's or the ASGI guard's), so that a report
+    quoting the id finds it. Returns the line's fields for the caller's follow-up lines."""
+    fields: dict[str, object] = {"request_id": rid, "client_request_id": client_rid, "path": path}
+    log.error(
+        "request %s failed inside the gateway (%s %s)",
+        rid,
+        method,
+        path,
+        exc_info=exc,
+        extra={"fields": fields},
+    )
+    return fields
 
 
 def sse_error_event(message: str, type_: str = "upstream_error", code: int = 502) -> bytes:
