@@ -26,7 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.app import Gateway
 from gateway.config import Settings
-from gateway.endpoints import Endpoints
+from gateway.endpoints import TENANT_KEY, Endpoints
 from gateway.errors import APIError, internal_error, log_internal_error
 from gateway.ids import client_request_id, echo_headers, echo_raw, next_request_id
 from gateway.lifecycle import reqlog
@@ -294,28 +294,9 @@ class FastPathApp:
                 "path": _capped(path),
                 "status": status,
                 "e2e_ms": round((time.perf_counter() - t0) * 1000, 3),
-                "tenant": self._tenant(scope) if path == "/v1/models" else None,
+                "tenant": scope.get(TENANT_KEY),
             },
         )
-
-    def _tenant(self, scope: Scope) -> str | None:
-        """The tenant whose key the request carries, where tenants are configured: /v1/models
-        serves each its own list, and its line says whose it was (the route does not hand its
-        tenant back, so the key is looked up again: one hash, only when a line is written)."""
-        tenants = self._gw.tenants
-        if not tenants.enabled:
-            return None
-        auth: str | None = None
-        key: str | None = None
-        for k, v in scope["headers"]:  # the first of repeats, as `request_headers` takes it
-            if k == b"authorization" and auth is None:
-                auth = v.decode("latin-1")
-            elif k == b"x-api-key" and key is None:
-                key = v.decode("latin-1")
-        try:
-            return tenants.authenticate(auth, key).name
-        except APIError:
-            return None
 
     async def _refuse(
         self,

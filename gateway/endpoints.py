@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.gateway")
 
 
+# Where /v1/models leaves the tenant it served, for the route's request line (gateway/asgi.py).
+TENANT_KEY = "kvgate.tenant"
+
 # The most an admin request's body may hold: a worker's spec is a few hundred bytes.
 ADMIN_BODY_MAX = 64 * 1024
 
@@ -50,6 +53,8 @@ class Endpoints:
             tenant = self.gw.tenants.authenticate(h.get("authorization"), h.get("x-api-key"))
         except APIError as e:
             return e.response()
+        if self.gw.tenants.enabled:
+            request.scope[TENANT_KEY] = tenant.name
         cards = self.gw.registry.served_models()
         allowed = tenant.cfg.models
         if allowed:
