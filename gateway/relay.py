@@ -129,8 +129,7 @@ class RelayResponse(Response):
         # A stream of several choices (n > 1, a batch of prompts) keeps each choice's last live
         # usage by its index (`_keep_choices`), the index -1 for events whose index is unread;
         # None for one choice, whose last usage is also its largest.
-        account = getattr(call, "account", None)  # a bare scan's call (tests) may have none
-        self._choices = account.choices if account is not None else 1
+        self._choices = call.account.choices if call.account is not None else 1
         self._by_choice: dict[int, bytes] | None = {} if self._live and self._choices > 1 else None
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly

@@ -111,6 +111,7 @@ def bare_relay(wants_usage: bool = True) -> Any:
         usage=None,
         live_usage=b"",
         live_usage_upstream=False,
+        account=None,
     )
     return RelayResponse(None, call, None, None, (None, b""), {}, TimeoutSettings(), 0.0)  # type: ignore[arg-type]
 
