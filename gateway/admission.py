@@ -364,16 +364,16 @@ class AdmissionController:
         q = p.queue
         if not p.retry and p.name not in self._retries:  # the common case: the model's one queue
             return q.push(e, now)
-        others = [o for o in self._named(p.name) if o is not p and o.queue._size]
+        others = [o for o in self._named(p.name) if o is not p and len(o.queue)]
         if not others:
             return q.push(e, now)
         s = self.settings
-        n_other = sum(o.queue._size for o in others)
+        n_other = sum(len(o.queue) for o in others)
         cap = s.max_queued_per_tenant
         if cap:
             mine = sum(o.queue.depth_of(e.tenant) for o in others)
             if mine >= cap:
-                return q._refuse(e, Reason.TENANT_LIMIT, 429, now)
+                return q.refuse(e, Reason.TENANT_LIMIT, 429, now)
             cap -= mine
         # Another queue's lowest tier, if below both the newcomer's and this queue's: shed there.
         lowest = min(q.depth_by_tier(), default=e.tier)
@@ -383,17 +383,9 @@ class AdmissionController:
             if low < min(lowest, e.tier):
                 victim, lowest = o, low
         room = max(s.max_queued - n_other + (victim is not None), 0)
-        q.max_queued, q.max_queued_per_tenant = room, cap
-        try:
-            pushed = q.push(e, now)
-        finally:
-            q.max_queued, q.max_queued_per_tenant = s.max_queued, s.max_queued_per_tenant
-        if victim is not None and pushed.rejected is None and q._size + n_other > s.max_queued:
-            found = victim.queue._victim(e)
-            assert found is not None  # a tier below the newcomer's is queued there
-            v = found[0]
-            victim.queue._leave(v, State.SHED, now, Reason.SHED, 503)
-            self._fail(victim, v)
+        pushed = q.push(e, now, max_queued=room, max_queued_per_tenant=cap)
+        if victim is not None and pushed.rejected is None and len(q) + n_other > s.max_queued:
+            self._fail(victim, victim.queue.shed_for(e, now))
             self._prune(victim)
         return pushed
 

@@ -186,13 +186,23 @@ class FairQueue:
         return self._size
 
     # -- entering --------------------------------------------------------------------------------
-    def push(self, e: Entry, now: float) -> Pushed:
+    def push(
+        self,
+        e: Entry,
+        now: float,
+        *,
+        max_queued: int | None = None,
+        max_queued_per_tenant: int | None = None,
+    ) -> Pushed:
+        """Queue ``e``, or refuse it, shedding another when full. The bounds may be narrowed
+        for this push: a queue that shares its bounds with others (a model's retry queues,
+        `AdmissionController`) is given what the others leave."""
         if e.state is not State.NEW:
             raise ValueError(f"entry already {e.state.value}")
         if not (e.weight > 0 and math.isfinite(e.weight)):
             raise ValueError(f"weight must be finite and > 0, got {e.weight!r}")
         e.enqueued_at = now
-        cap = self.max_queued_per_tenant
+        cap = self.max_queued_per_tenant if max_queued_per_tenant is None else max_queued_per_tenant
         if cap and self._per_tenant.get(e.tenant, 0) >= cap:
             return self._refuse(e, Reason.TENANT_LIMIT, 429, now)
         remaining = e.deadline - now
@@ -208,7 +218,7 @@ class FairQueue:
             status = 429 if self._over_share(e.tier, e.tenant, e.weight, 1) else 503
             return self._refuse(e, Reason.DEADLINE, status, now)
         shed: tuple[Entry, ...] = ()
-        if self._size >= self.max_queued:
+        if self._size >= (self.max_queued if max_queued is None else max_queued):
             victim = self._victim(e)
             if victim is None:
                 if self._over_share(e.tier, e.tenant, e.weight, 1):
@@ -219,6 +229,23 @@ class FairQueue:
             shed = (v,)
         self._enqueue(e, now)
         return Pushed(None, shed)
+
+    def refuse(self, e: Entry, reason: Reason, status: int, now: float) -> Pushed:
+        """Refuse ``e`` without queueing it, as ``push`` would for ``reason``: for a bound
+        kept outside this queue (a model's queues together)."""
+        if e.state is not State.NEW:
+            raise ValueError(f"entry already {e.state.value}")
+        return self._refuse(e, reason, status, now)
+
+    def shed_for(self, e: Entry, now: float) -> Entry:
+        """Shed the entry a full queue would shed for ``e``, a lower tier's newest, for a bound
+        kept outside this queue; ValueError when no tier below ``e``'s is queued here."""
+        found = self._victim(e)
+        if found is None or found[1] is not Reason.SHED:
+            raise ValueError(f"no tier below {e.tier} is queued")
+        v, reason, status = found
+        self._leave(v, State.SHED, now, reason, status)
+        return v
 
     def _refuse(self, e: Entry, reason: Reason, status: int, now: float) -> Pushed:
         e.state = State.REJECTED

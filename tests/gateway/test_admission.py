@@ -231,6 +231,26 @@ def test_shedding_within_the_lowest_tier_hits_the_heaviest_tenant() -> None:
     assert r.shed == (a[-1],) and b.state is State.QUEUED
 
 
+def test_bounds_kept_outside_the_queue_narrow_a_push_refuse_and_shed() -> None:
+    """A queue sharing its bounds with others (a model's retry queues) is pushed with the room
+    the others leave, refuses for them, and sheds a lower tier for a newcomer queued elsewhere."""
+    q = fq(max_queued=10, max_queued_per_tenant=10)
+    low = [push(q, "a", tier=1), push(q, "a", tier=1)]
+    r = q.push(Entry("b", 5, 1.0, 1e9), 0.0, max_queued=2)  # full at 2: a lower tier is shed
+    assert r.rejected is None and r.shed == (low[1],)
+    r = q.push(Entry("b", 5, 1.0, 1e9), 0.0, max_queued_per_tenant=1)
+    assert r.rejected is not None and r.rejected.reason is Reason.TENANT_LIMIT
+    assert q.max_queued == 10 and q.max_queued_per_tenant == 10  # the queue's own are kept
+    e = Entry("c", 5, 1.0, 1e9)
+    r = q.refuse(e, Reason.TENANT_LIMIT, 429, 0.0)
+    assert e.state is State.REJECTED and r.rejected is not None and r.rejected.status == 429
+    assert q.shed_for(Entry("c", 9, 1.0, 1e9), 0.0) is low[0]
+    assert low[0].state is State.SHED and low[0].rejection is not None
+    with pytest.raises(ValueError):  # only tier 5 is left: nothing below a tier-5 newcomer
+        q.shed_for(Entry("c", 5, 1.0, 1e9), 0.0)
+    q.check()
+
+
 def test_zero_max_queued_refuses_everything_with_503() -> None:
     q = fq(max_queued=0)
     r = q.push(Entry("a", 10, 1.0, 1e9), 0.0)
