@@ -131,7 +131,8 @@ class AdmissionSettings:
     max_retry_after_s: float = 60.0
 
     def deadline_s(self, header_ms: str | None) -> float:
-        """The client's deadline header, capped; a missing or unreadable one gets the default.
+        """The client's deadline header, capped; a missing or unreadable one (or NaN) gets the
+        default.
 
         0 is honoured: "do not queue me", refused at once when there is no room.
         """
@@ -141,8 +142,10 @@ class AdmissionSettings:
             ms = float(header_ms)
         except ValueError:
             return self.default_deadline_s
-        if not math.isfinite(ms):
+        if math.isnan(ms):
             return self.default_deadline_s
+        # +-inf (also what "1e400" parses to) is the far end of the scale like any huge value:
+        # "999999" got the cap and "1e400" the (shorter) default.
         return min(max(ms / 1000.0, 0.0), self.max_deadline_s)
 
 

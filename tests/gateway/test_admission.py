@@ -659,7 +659,10 @@ async def test_deadline_is_capped_and_zero_means_do_not_queue() -> None:
     assert s.deadline_s("2500") == 2.5
     assert s.deadline_s("999999") == 30.0
     assert s.deadline_s("-5") == 0.0
-    assert s.deadline_s("soon") == 10.0 and s.deadline_s("inf") == 10.0
+    assert s.deadline_s("soon") == 10.0 and s.deadline_s("nan") == 10.0
+    # Past float's range is as far as any huge value: the cap (it was the shorter default).
+    assert s.deadline_s("inf") == 30.0 and s.deadline_s("1e400") == 30.0
+    assert s.deadline_s("-inf") == 0.0
     c = ctl()
     with pytest.raises(APIError) as ei:
         await c.admit(tenant="t", priority=0.5, deadline_s=0.0, has_room=lambda: False)
