@@ -73,3 +73,33 @@ def test_a_usage_count_no_request_has_is_no_usage(count: object) -> None:
     # ticket was closed and leaked the tenant's lease. Such a usage is charged as a missing one.
     assert Usage.from_json({"prompt_tokens": 3, "completion_tokens": count}) is None
     assert Usage.from_json({"prompt_tokens": 3, "completion_tokens": 2.0}) == Usage(3, 2, 0)
+
+
+def test_a_worker_count_past_what_the_request_holds_is_charged_at_its_bound(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Review finding: a worker reporting prompt_tokens 10**12 for a 5-token prompt was charged
+    # whole, and its tenant (100k tokens a minute) refused for 19 years. The prompt is believed
+    # up to 32x the estimate (100) plus 4,096; the completion up to the output limit sent (400).
+    huge = Usage(prompt_tokens=10**12, completion_tokens=50, cached_tokens=0)
+    assert charge(account(), call(usage=huge, worker="w1")) == 100 * 32 + 4096 + 50
+    assert "w1" in caplog.text and "more than the request can hold" in caplog.text
+    long = Usage(prompt_tokens=90, completion_tokens=10**9, cached_tokens=90)
+    assert charge(account(), call(usage=long)) == 90 + 400
+    assert charge(account(discount=1.0), call(usage=long)) == 400  # the cached 90 discounted
+    # A stream cut with a live usage past the bounds: the same bounds.
+    live = b'{"prompt_tokens": 1000000000000, "completion_tokens": 1000000000000}'
+    cut = call(events=5, outcome="upstream_broken", live_usage=live)
+    assert charge(account(), cut) == 100 * 32 + 4096 + 400
+    # Within the bounds nothing changes: 4x an estimate's error and more is believed.
+    fine = Usage(prompt_tokens=7000, completion_tokens=400, cached_tokens=0)
+    assert charge(account(), call(usage=fine)) == 7400
+
+
+def test_an_unknown_output_limit_leaves_the_completion_count_as_reported() -> None:
+    # An open gateway's request without max_tokens: vLLM's default (the rest of the context)
+    # is unknown here, so only the prompt is bounded.
+    acct = account()
+    acct.tokens = acct.prompt_estimate
+    u = Usage(prompt_tokens=100, completion_tokens=30_000, cached_tokens=0)
+    assert charge(acct, call(usage=u)) == 30_100
