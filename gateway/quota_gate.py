@@ -315,6 +315,14 @@ class QuotaGate:
             # The store answered: not an outage, so not the breaker's (see the module's doc).
             _log_store_failure(f"{_settlement(t)} failed", e)
             self._defer(_Deferred(t, actual, refund_all, errors=1), None)
+        except asyncio.CancelledError:
+            # Cancelled mid-call (a drain whose grace ended cuts a walk refunding a refusal; a
+            # slow store): `t` is done, so no later call would send it, and its lease and
+            # reservation stayed until the lease TTL on every replica. Deferred as an outage's
+            # is (a settlement is once-only per request id on the store, so one that did run
+            # is not applied twice); the replayer or `close` sends it. Not the breaker's.
+            self._defer(_Deferred(t, actual, refund_all), None)
+            raise
 
     def _defer(self, d: _Deferred, err: Exception | None) -> None:
         m = self.metrics

@@ -290,6 +290,46 @@ async def test_an_admit_cancelled_before_the_store_ran_it_changes_nothing_there(
     assert await store_snapshot(own_redis.url) == before
 
 
+@pytest.mark.parametrize("kind", ["release", "settle"])
+async def test_a_settlement_cancelled_on_its_way_to_the_store_is_sent_later(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # Review finding: a release (or settle) cancelled while its call to a slow Redis was on the
+    # wire was lost: the ticket was done, so a second call did nothing, and the tenant's lease
+    # (max_concurrent 1: its next request a 429) and reservation stayed until the lease TTL.
+    g, _ = make_gate(own_redis.url)
+    g.cfg = g.cfg.model_copy(update={"breaker_cooldown_s": 60.0})
+    t = tenant()
+    ticket = await g.admit(t, "cut", "m", 1000)
+    sent = asyncio.Event()
+
+    async def slow(*args: object, **kw: object) -> None:
+        sent.set()
+        await asyncio.Event().wait()  # the store has not answered when the cut comes
+
+    monkeypatch.setattr(g.shared, kind, slow)
+    try:
+        if kind == "release":
+            call = asyncio.create_task(g.release(ticket, refund_all=True))
+        else:
+            call = asyncio.create_task(g.settle(ticket, 400))
+        await sent.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert g.deferred == 1 and g.breaker.state.value == "closed"
+        monkeypatch.undo()
+    finally:
+        await g.close()  # sends what was deferred
+    assert g.deferred == 0
+    check = RedisQuotaStore(own_redis.url, prefix="gate:")
+    try:
+        assert (await check.usage("a"))["in_flight"] == 0  # the lease is free
+    finally:
+        await check.close()
+    assert await open_states(own_redis.url) == ["settled"]
+
+
 async def test_a_settlement_whose_metric_raises_still_frees_the_lease(
     gate: tuple[QuotaGate, GatewayMetrics],
 ) -> None:
