@@ -5,7 +5,8 @@ It forwards the worker's bytes untouched. It looks at the bytes only to find eve
 parsed once, and removed again when the client did not ask for it (the proxy forces
 `include_usage` upstream so every stream can be accounted). Once the first byte is out, a failure
 becomes an in-band SSE error event followed by the end of the stream, as vLLM ends a stream that
-failed, so clients see one well-formed stream either way.
+failed, so clients see one well-formed stream either way. Before it, a bug of the relay's own is
+answered as one in the walk is: the 500 envelope with the request's ids (`RelayResponse._bug`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.call import USAGE_MARK, Call, Usage
 from gateway.client_socket import AckProbe
@@ -134,6 +135,13 @@ class RelayResponse(Response):
         self._inter: BatchedHistogram | None = None
         self._cycle: Any = None  # uvicorn's request cycle when chunks may be written directly
         self._head = b""  # the response head, held back to go out with the first events
+        # The response's start until it is sent (with the first body chunk: `_start_out`) or
+        # rendered into ``_head`` (`_held_head`): until then a bug can still be answered whole.
+        self._start: Message | None = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": self.raw_headers,
+        }
         self._ended = False  # the client has its whole response (the final chunk is out)
         # The pump's waits on the worker (`with self._waiting:`), which the stall check watches.
         self._waiting = _AwaitingWorker()
@@ -174,6 +182,10 @@ class RelayResponse(Response):
                 me.uncancel()
         except OSError:  # the socket died under a send
             watch.gone = True
+        except Exception:
+            if not watch.gone:
+                self._bug()
+            raise
         finally:
             if self._stall_timer is not None:
                 self._stall_timer.cancel()
@@ -226,6 +238,37 @@ class RelayResponse(Response):
             call.live_usage = _choices_usage(self._by_choice)
         await life.finish(call)
 
+    def _bug(self) -> None:
+        """A bug escaped the relay (an exception of its own, not an upstream error: those end
+        the stream in band) and goes on to `FastPathApp._failed`, which logs it once under the
+        request's id and answers it. Before the response's first byte reached the client
+        (`_unstart`) that answer is the 500 envelope with the ids, not a connection closed on
+        it; and the call is settled as a bug in the walk is (`Gateway._failed`): the client got
+        none of the stream, so what the scan took from it (events, usage) is dropped and the
+        settlement gives the reservation back whole (a 5xx) and frees the lease. Past the first
+        byte the response cannot be answered again: the connection closes on it, as before."""
+        if not self._unstart() or self._finished:
+            return
+        call = self._call
+        call.status, call.outcome = 500, "internal_error"
+        call.usage, call.events = None, 0
+
+    def _unstart(self) -> bool:
+        """Whether nothing of the response has reached the client, the response made unstarted
+        for the server if so: a head held back (`_held_head`) was rendered by uvicorn, whose
+        request cycle took the response for started, and is told it was not (framing too: the
+        answer in its place has a content-length)."""
+        if self._start is not None:
+            return True  # not sent: the generic relay sends it with the first chunk
+        if not self._head:
+            return False
+        self._head = b""
+        cy = self._cycle
+        cy.response_started = False
+        cy.chunked_encoding = None
+        cy.expected_content_length = 0
+        return True
+
     async def _pump(self, send: Send) -> None:
         """Relay until [DONE]: settle, then end the response with it and read the worker's
         stream to its end (so its connection can be reused).
@@ -238,17 +281,16 @@ class RelayResponse(Response):
         and an ASGI message per chunk: most of the relay's cost per SSE event.
         """
         call = self._call
-        start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
         splice = getattr(self._resp, "splice", None)
         if splice is not None and _can_hold_head(send):
+            start, self._start = self._start, None
             head = await _held_head(send, start)
             self._cycle = _direct_cycle(send)
             if self._cycle is None:  # not a stream we may write ourselves: the head goes now
                 send.__self__.transport.write(head)  # type: ignore[attr-defined]
             else:
                 self._head = head
-        else:
-            await send(start)
+        # Else the start goes with the first body chunk (`_start_out`), as a held head does.
         if self._cycle is None:
             splice = None
         m = self._life.metrics
@@ -485,15 +527,21 @@ class RelayResponse(Response):
             return
         await self._send(send, self._take_out())
 
-    def _write_head(self) -> None:
-        """The held response head goes out before anything sent through ``send``."""
+    async def _start_out(self, send: Send) -> None:
+        """The response's head goes out before anything sent through ``send``: the held one
+        (`_held_head`), or the start not sent yet (the generic relay's, held back like it, so
+        that a bug before the first event is still answered whole: `_bug`)."""
         if self._head:
             head, self._head = self._head, b""
             self._cycle.transport.write(head)
+        elif self._start is not None:
+            start, self._start = self._start, None
+            await send(start)
 
     async def _end(self, send: Send, body: bytes = b"") -> None:
         """The response's last chunk (with the terminator in the same write)."""
-        self._write_head()
+        if self._head or self._start is not None:
+            await self._start_out(send)
         self._sending = time.perf_counter()
         await send({"type": "http.response.body", "body": body, "more_body": False})
         self._sending = 0.0
@@ -505,7 +553,8 @@ class RelayResponse(Response):
         upstream stream past the total deadline or ``client_stall_s``. A timer per stream
         instead of a timeout per send: the relay sends once per SSE read (measured with
         bench/overhead.py: a timeout context per send cost 10% of relay capacity)."""
-        self._write_head()
+        if self._head or self._start is not None:
+            await self._start_out(send)
         self._sending = time.perf_counter()
         await send({"type": "http.response.body", "body": body, "more_body": True})
         self._sending = 0.0
