@@ -39,6 +39,24 @@ TENANT_KEY = "kvgate.tenant"
 ADMIN_BODY_MAX = 64 * 1024
 
 
+def _printable(entry: dict[str, Any]) -> dict[str, Any]:
+    """A model entry as JSON can carry it: a worker's card is passed on as the worker wrote it,
+    and one whose value orjson cannot write (an integer past 64 bits, nesting past 255 levels,
+    both valid JSON from a worker) made /v1/models a 500 for every client. Such a card keeps
+    what the gateway itself vouches for, the id, object, created and owned_by."""
+    try:
+        orjson.dumps(entry)
+    except orjson.JSONEncodeError:
+        log.warning("model %r: its card cannot be written as JSON; listed without it", entry["id"])
+        return {
+            "id": entry["id"],
+            "object": "model",
+            "created": c if type(c := entry["created"]) is int and 0 <= c < 1 << 53 else 0,
+            "owned_by": entry["owned_by"] if type(entry["owned_by"]) is str else "kvgate",
+        }
+    return entry
+
+
 class Endpoints:
     """The non-completion routes of one `Gateway`, as bound methods for Starlette's routes."""
 
@@ -73,9 +91,11 @@ class Endpoints:
             }
             for mid, card in sorted(cards.items())
         ]
-        return Response(
-            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
-        )
+        try:
+            body = orjson.dumps({"object": "list", "data": data})
+        except orjson.JSONEncodeError:
+            body = orjson.dumps({"object": "list", "data": [_printable(e) for e in data]})
+        return Response(body, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         if self.gw.processes is not None:
