@@ -2,8 +2,13 @@
 
 A worker is capacity only if it answers `/health` (or `/v1/models` where there is no `/health`)
 and lists the model; `/metrics` feeds the load and KV signals but its absence is not a failure
-(OpenAI-compatible servers without Prometheus still serve). Ejected workers are re-probed with
-exponential backoff so a dead host is not hammered.
+(OpenAI-compatible servers without Prometheus still serve). Nor is its slowness: only `/health`
+and `/v1/models` are under the probe's timeout, and `/metrics`, fetched beside `/v1/models`, has
+what is left of it (`Prober._scrape`), body included; past that it is cut off and the probe has
+no numbers this round, like a 404. A probe without numbers keeps the last ones, up to a bound
+(`Registry.metrics_stale_after` probes in a row: then they are unknown, see
+`Registry._metrics_missed`). Ejected workers are re-probed with exponential backoff so a dead
+host is not hammered.
 
 Health transitions are logged by the registry's `on_change` hook (the gateway's), once per
 transition whatever caused it; the prober does not log them a second time.
@@ -22,9 +27,9 @@ probe behind its load (that would also make the deep timeout fire on a merely bu
 Every answer is read with a byte cap (`METRICS_MAX_BYTES`, `ANSWER_MAX_BYTES`), not whole: the
 timeouts bound only time, and a worker whose `/metrics` was 100 MiB grew the gateway by ~600 MiB
 and stalled its event loop for seconds every probe interval. An answer over its cap is cut off
-(the connection is closed) and counts like an absent one: `/metrics` over the cap leaves the
-worker's metrics as they were; `/health`, `/v1/models` or the deep probe's answer over it is a
-failed probe. Warned once per worker and answer until it fits again.
+(the connection is closed) and counts like an absent one: `/metrics` over the cap brings no new
+numbers (the registry keeps the last for a while); `/health`, `/v1/models` or the deep probe's
+answer over it is a failed probe. Warned once per worker and answer until it fits again.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ _JSON_INLINE_BYTES = 64 << 10
 # How much longer than a probe's bound its requests may take: the bound forgives the gateway's
 # own stalls up to its length again (`workers.deadlines`).
 _STALL_SLACK = 2
+# `/metrics` has what is left of the probe's bound once `/health` answered (it runs beside
+# `/v1/models`), and never less than this share of it.
+_METRICS_MIN_SHARE = 0.25
 
 
 def _stalled(wait: Wait, e: BaseException) -> bool:
@@ -266,7 +274,8 @@ class Prober:
         return answer
 
     def _too_large_now(self, w: Worker, key: str, message: str) -> None:
-        """Warn once per worker and answer while it stays too large, not once per interval."""
+        """Warn once per worker and answer (or `key`) while it stays too large (or too slow:
+        "/metrics time"), not once per interval."""
         seen = self._too_large.setdefault(w.name, set())
         if key in seen:
             log.debug("worker %s: %s (again)", w.name, message)
@@ -311,10 +320,13 @@ class Prober:
         # spike (0.25 s iterations) timed out every probe of healthy, serving workers and
         # ejected them all, and the spike's requests got 503s (review). A dead worker is still
         # found out: its connects are refused at once, and its requests fail.
+        # Only `/health` and `/v1/models` are under this bound: `/metrics` has its own
+        # (`_scrape`), and running out of it means no numbers this round, not a failed probe.
         wait = self._deadlines.within(self.timeout_s)
+        start = asyncio.get_running_loop().time()
         try:
             with wait:
-                models, metrics_answer = await self._probe(w)
+                models, scrape = await self._probe(w, start)
         except (ProbeError, httpx.HTTPError, TimeoutError, ValueError) as e:
             if self.registry.workers.get(name) is not w:
                 return False  # a reload replaced it meanwhile (a new URL): not its result
@@ -324,8 +336,12 @@ class Prober:
             self.registry.probe_failed(name, _describe(e))
             ok = False
         else:
-            # Outside the probe's timeout: the answer is in; parsing it is bounded by the caps,
-            # and metrics that cannot be read are no probe failure.
+            try:
+                metrics_answer = await scrape  # bounded by its own wait
+            finally:
+                await _drop(scrape)  # cancelled with this task (stop): not left running
+            # The answer is in; parsing it is bounded by the caps, and metrics that cannot be
+            # read are no probe failure.
             metrics = (
                 None if metrics_answer is None else await self._parse_metrics(w, metrics_answer)
             )
@@ -420,8 +436,12 @@ class Prober:
         if not isinstance(choices, list) or not choices:
             raise ProbeError("/v1/completions: no choices in the response")
 
-    async def _probe(self, w: Worker) -> tuple[list[dict[str, object]], _Answer | None]:
-        """The model cards and the `/metrics` answer (None where there is none to parse)."""
+    async def _probe(
+        self, w: Worker, start: float
+    ) -> tuple[list[dict[str, object]], asyncio.Task[_Answer | None]]:
+        """The model cards, and the `/metrics` fetch, started beside `/v1/models` with its own
+        bound (`_scrape`): the caller awaits it once the cards are in. `start` is when the
+        probe's bound began (loop time)."""
         headers = _headers(w)
         timeout = self._http_timeout()
         cap = ANSWER_MAX_BYTES
@@ -430,26 +450,71 @@ class Prober:
             pass  # no /health on this server: /v1/models below is the health check
         elif r.status_code != 200:
             raise ProbeError(f"/health returned {r.status_code}")
-        models_r, metrics_r = await asyncio.gather(
-            self._fetch(w, "GET", "/v1/models", cap, headers=headers, timeout=timeout),
-            self._fetch(w, "GET", "/metrics", METRICS_MAX_BYTES, headers=headers, timeout=timeout),
-            return_exceptions=True,
+        # The rest of the probe's bound, at least a share of it (the stall forgiveness can
+        # stretch the probe's own bound past `timeout_s`, leaving none by this clock).
+        left = self.timeout_s - (asyncio.get_running_loop().time() - start)
+        bound = max(left, _METRICS_MIN_SHARE * self.timeout_s)
+        scrape = asyncio.create_task(
+            self._scrape(w, bound, headers, timeout), name=f"probe-metrics-{w.name}"
         )
-        if isinstance(models_r, BaseException):
-            raise models_r
-        if models_r.status_code != 200:
-            raise ProbeError(f"/v1/models returned {models_r.status_code}")
-        body = await _json(models_r)
-        if not isinstance(body, dict):  # `[]`, `null`: a proxy's or a half-started server's
-            raise ProbeError(f"/v1/models: not a JSON object: {models_r.text[:80]!r}")
-        data = body.get("data")
-        if not isinstance(data, list):
-            raise ProbeError("/v1/models: no data list")
+        try:
+            models_r = await self._fetch(
+                w, "GET", "/v1/models", cap, headers=headers, timeout=timeout
+            )
+            if models_r.status_code != 200:
+                raise ProbeError(f"/v1/models returned {models_r.status_code}")
+            body = await _json(models_r)
+            if not isinstance(body, dict):  # `[]`, `null`: a proxy's or a half-started server's
+                raise ProbeError(f"/v1/models: not a JSON object: {models_r.text[:80]!r}")
+            data = body.get("data")
+            if not isinstance(data, list):
+                raise ProbeError("/v1/models: no data list")
+        except BaseException:
+            await _drop(scrape)
+            raise
         models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        if isinstance(metrics_r, BaseException) or metrics_r.status_code != 200:
-            # Absent, failed or over its cap (warned in `_fetch`): no failure, no new numbers.
-            return models, None
-        return models, metrics_r
+        return models, scrape
+
+    async def _scrape(
+        self, w: Worker, bound: float, headers: dict[str, str], timeout: httpx.Timeout
+    ) -> _Answer | None:
+        """The `/metrics` answer, or None where there is none to parse this round: absent (a
+        404), failed, over its cap (warned in `_fetch`) or not all in within `bound` seconds.
+
+        Its own bound, apart from the probe's: `/metrics` is no health check (module
+        docstring), and under the probe's one a slow or trickling `/metrics` (a busy frontend
+        rendering histograms, a proxy dribbling bytes) timed the whole probe out and ejected a
+        worker that served fine; a fleet slow to scrape under load all went out (review). The
+        bound is on the whole answer, its body included: httpx's read timeout is per read, and
+        a trickle of a few bytes per read never trips it."""
+        wait = self._deadlines.within(bound)
+        try:
+            with wait:
+                a = await self._fetch(
+                    w, "GET", "/metrics", METRICS_MAX_BYTES, headers=headers, timeout=timeout
+                )
+        except (TimeoutError, httpx.TimeoutException) as e:
+            self._too_large_now(
+                w,
+                "/metrics time",
+                f"/metrics not answered within {bound:.3g}s ({_describe(e)}); no load numbers "
+                "from it until it is",
+            )
+            return None
+        except Exception as e:  # no answer to use, whatever went wrong (as a 404)
+            log.debug("worker %s: /metrics: %s", w.name, _describe(e))
+            return None
+        self._fits_now(w, "/metrics time")
+        return a if a.status_code == 200 else None
+
+
+async def _drop(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` if it still runs and wait for it to end (its connection closed)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: `_scrape` returns its failures, this is for a bug's
 
 
 def _headers(w: Worker) -> dict[str, str]:

@@ -49,10 +49,15 @@ An outlier ejection ends with the first successful probe after the hold (with de
 generates a token): one request could not show that it is no longer slow, fresh TTFT samples do.
 A readmission after probe failures alone keeps the error window, so a worker flapping its health
 check cannot wipe the breaker's evidence.
+
+Load and KV numbers (`/metrics`) are kept from one probe to the next only while they keep
+coming: after `metrics_stale_after` probes in a row without them they are dropped to unknown
+(`_metrics_missed`), and routing goes by the gateway's own in-flight counts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -65,6 +70,11 @@ _TRIAL_REASONS = frozenset({"failures", "breaker"})
 # Exponent cap of the ejection backoff: 2**60 x any base is past every backoff_max_s, and a float
 # power of a larger count would overflow after days of a worker failing every trial.
 _MAX_DOUBLINGS = 60
+# Probes in a row without a `/metrics` reading after which the last one is dropped (see
+# `Registry._metrics_missed`).
+METRICS_STALE_AFTER = 3
+
+log = logging.getLogger("kvgate.registry")
 
 
 HealthHook = Callable[[Worker, Health], None]
@@ -97,6 +107,7 @@ class Registry:
         outlier_max_fraction: float = 0.34,
         outlier_window: int = 50,
         outlier_check_s: float = 1.0,
+        metrics_stale_after: int = METRICS_STALE_AFTER,
         clock: Callable[[], float] = time.monotonic,
         on_change: HealthHook | None = None,
     ) -> None:
@@ -118,6 +129,7 @@ class Registry:
         self.outlier_max_fraction = outlier_max_fraction
         self.outlier_window = outlier_window
         self.outlier_check_s = outlier_check_s
+        self.metrics_stale_after = metrics_stale_after
         self._next_outlier_check = 0.0
         self.workers: dict[str, Worker] = {}
         # Every model any current worker has ever reported: tells "unknown model" (404) apart
@@ -379,11 +391,58 @@ class Registry:
                 self._index_cache_names()
             self._known_models[w.name] = w.models
         if metrics is not None:
+            if self.metrics_stale(w):
+                log.info(
+                    "worker %s: /metrics read again after %d probes without; routing on its "
+                    "load and KV numbers again",
+                    w.name,
+                    w.metrics_missed,
+                )
             w.metrics = metrics
+            w.metrics_at = w.last_probe_at
+            w.metrics_missed = 0
             # On the view's scale (every replica's in-flight), so view.in_flight minus it is
             # what the whole gateway dispatched since this scrape.
             w.in_flight_at_scrape = w.in_flight + w.remote_in_flight
             w.sent_tokens_since_scrape = 0
+        else:
+            self._metrics_missed(w)
+
+    def metrics_stale(self, w: Worker) -> bool:
+        """Whether ``w``'s last scrape was dropped as too old (it had one, and then
+        `metrics_stale_after` probes in a row brought none)."""
+        return w.metrics_at is not None and w.metrics_missed >= max(1, self.metrics_stale_after)
+
+    def _metrics_missed(self, w: Worker) -> None:
+        """A probe without a `/metrics` reading (absent, failed, over a cap, unparsable, too
+        slow, or the probe failed). One such keeps the last reading: it is one interval older
+        than it would be anyway. After `metrics_stale_after` in a row it is dropped, or a
+        reading from before `/metrics` broke ruled for good: "KV 95% full" gave a worker that
+        served fine no room at all (`gateway.slots.Slots.worker_room`: every request waited out
+        its deadline and got a 503), and "idle" kept sending traffic to one that filled up.
+
+        Counted in probes, not seconds: the probes are the scrapes, so a count says how many
+        chances the worker had to report, whatever the interval (reloaded, or backed off while
+        it is out), and a gateway stall that delays probes does not age every worker at once.
+        Three is one lost scrape plus a margin, bounded at a few intervals' age.
+
+        Dropped means unknown, as before a first scrape: `WorkerMetrics()` (no load, no KV use,
+        no capacity) and no `in_flight_at_scrape`, so routing and admission go by the gateway's
+        own in-flight counts and concurrency caps. The process start time stays: it is which
+        process this is, not a load reading (restart detection keeps the last one anyway)."""
+        w.metrics_missed += 1
+        if w.metrics_at is None or w.metrics_missed != max(1, self.metrics_stale_after):
+            return  # nothing to drop, not yet, or dropped already
+        log.warning(
+            "worker %s: no /metrics reading for %d probes in a row (last %.1fs ago); its load "
+            "and KV numbers are unknown until one comes",
+            w.name,
+            w.metrics_missed,
+            self.clock() - w.metrics_at,
+        )
+        w.metrics = WorkerMetrics(process_start=w.metrics.process_start)
+        w.in_flight_at_scrape = None
+        w.sent_tokens_since_scrape = 0
 
     # -- passive outcomes (proxied requests) -------------------------------------------------
     def passive_failure(self, name: str, error: str) -> None:

@@ -55,6 +55,11 @@ class Worker(DispatchLoad):
     # The worker's own /v1/models entries (max_model_len, parent for LoRA adapters, ...).
     model_cards: dict[str, dict[str, object]] = field(default_factory=dict)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    # When `metrics` were last scraped (registry clock; None = never), and how many probes in a
+    # row have brought none since: at the registry's `metrics_stale_after` they are dropped
+    # (`WorkerMetrics()`: unknown, routed on the gateway's own counts) until a scrape succeeds.
+    metrics_at: float | None = None
+    metrics_missed: int = 0
     in_flight: int = 0
     # Gateway-side load the last scrape cannot show yet (see scoring.views.WorkerView).
     in_flight_at_scrape: int | None = None
