@@ -33,3 +33,33 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, not {text!r}")
     return value
+
+
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def goodput(text: str) -> str:
+    """One `--goodput` item, `vllm bench serve`'s METRIC:MS (ttft, tpot or e2el; MS a finite
+    number > 0), checked as it is parsed: `ttft`, `ttft:abc` and `ttft:nan` were a traceback or an
+    SLO no request could meet. Returned as written, for `bench.replay.parse_goodput`."""
+    metric, sep, ms = text.partition(":")
+    if metric.strip().lower() not in GOODPUT_METRICS or not sep:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not METRIC:MS with METRIC one of {', '.join(GOODPUT_METRICS)}"
+        )
+    try:
+        positive(ms)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds {e}") from None
+    return text
+
+
+def nonnegative_int(text: str) -> int:
+    """A whole number >= 0, where 0 means "no cap" (`--max-output 0`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text!r}")
+    return value

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_argument_group("search")
     for m in METRICS:
         for q in QUANTS:
-            g.add_argument(f"--slo-{m}-{q}", type=float, default=None, help=argparse.SUPPRESS)
+            g.add_argument(f"--slo-{m}-{q}", type=positive, default=None, help=argparse.SUPPRESS)
     g.add_argument("--iterations", type=int, default=4, help="bisection steps after bracketing")
     g.add_argument("--max-scale", type=positive, default=64.0, help="search within [1/x, x]")
     g.add_argument("--png", type=Path, default=out_path("capacity.png"), help="%(default)s")

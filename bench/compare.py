@@ -57,7 +57,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from bench.argtypes import count, positive
+from bench.argtypes import count, goodput, nonnegative_int, positive
 from bench.floor import floor_describe
 from bench.gateways import (  # noqa: F401 - kvgate_config: part of this module's interface
     kv_event_endpoints,
@@ -105,6 +105,7 @@ from bench.traces import (
     sample,
     scale_time,
 )
+from workers.sim.profiles import PROFILES
 
 DEFAULT_TRACE = MOONCAKE_TRACE
 
@@ -693,15 +694,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"{CAPACITY_TTFT_FACTOR:g}x its unloaded p95)); the default ({DEFAULT_LOAD:g}) when "
         f"neither --rate nor --time-scale is given",
     )
-    g.add_argument("--max-output", type=int, default=256, help="cap output tokens (0 = no cap)")
+    g.add_argument(
+        "--max-output", type=nonnegative_int, default=256, help="cap output tokens (0 = no cap)"
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("fleet")
     d = SimFleet()
-    g.add_argument("--workers", type=int, default=d.workers)
-    g.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--profile", default=d.profile)
-    g.add_argument("--gpu-slowdown", type=float, default=d.gpu_slowdown, help="sim --time-scale")
+    g.add_argument("--workers", type=count, default=d.workers)
+    g.add_argument("--num-blocks", type=count, default=d.num_blocks)
+    g.add_argument("--block-size", type=count, default=d.block_size)
+    g.add_argument("--profile", default=d.profile, choices=sorted(PROFILES))
+    g.add_argument("--gpu-slowdown", type=positive, default=d.gpu_slowdown, help="sim --time-scale")
     g = p.add_argument_group("targets")
     g.add_argument(
         "--policies",
@@ -749,7 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-concurrency", type=int, default=256)
     g.add_argument("--drain-timeout", type=float, default=30.0)
-    g.add_argument("--goodput", nargs="*", default=None, help="ttft:MS tpot:MS e2el:MS")
+    g.add_argument(
+        "--goodput", nargs="*", type=goodput, default=None, help="ttft:MS tpot:MS e2el:MS"
+    )
     g.add_argument("--budget", type=float, default=840.0, help="skip targets past N s in all")
     g.add_argument("--no-predict", action="store_true")
     g.add_argument("--out", type=Path, default=out_path("compare"), help="%(default)s")

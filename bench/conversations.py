@@ -29,6 +29,14 @@ from typing import Any
 
 from bench.specs import parse_spec
 
+# Bounds of a spec's values that a trace can still be made from: a Zipf exponent this large
+# already puts every draw on one rank (|s| = 1000 overflowed into a ZeroDivisionError or an
+# OverflowError), and a session of more turns is no conversation (the cumulative weights are
+# a list of `max_turns`). The same Zipf bound holds for `synthetic:zipf_s` (bench.traces).
+MAX_ZIPF_S = 10.0
+MAX_TURNS = 10_000
+MAX_BLOCK_SIZE = 1 << 20  # bench.traces.MAX_BLOCK_SIZE (imported from here: no import cycle)
+
 PREFIX = "conversation"
 
 
@@ -66,6 +74,17 @@ class ConversationSpec:
         spec = parse_spec(cls, text, "conversation")
         if spec.sessions < 1 or spec.max_turns < 1 or spec.block_size < 1:
             raise ValueError("sessions, max_turns and block_size must be >= 1")
+        if spec.max_turns > MAX_TURNS:
+            raise ValueError(f"max_turns must be <= {MAX_TURNS}, not {spec.max_turns}")
+        if spec.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be <= {MAX_BLOCK_SIZE}, not {spec.block_size}")
+        for name in ("turns_s", "system_s"):
+            v = getattr(spec, name)
+            if not (math.isfinite(v) and -MAX_ZIPF_S <= v <= MAX_ZIPF_S):
+                raise ValueError(
+                    f"{name} (a Zipf exponent) must be within -{MAX_ZIPF_S:g}..{MAX_ZIPF_S:g}, "
+                    f"not {v:g}"
+                )
         if spec.session_rate <= 0 or spec.system_prompts < 1:
             raise ValueError("session_rate must be > 0 and system_prompts >= 1")
         # A turn is at least its user message (so no prompt is empty), and a session at least

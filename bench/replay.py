@@ -49,7 +49,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.argtypes import count, positive
+from bench.argtypes import count, goodput, positive
 from bench.metrics import SLO, balance, dist, machine, tpot
 from bench.paths import out_path, shown
 from bench.sse_client import StreamResult, stream
@@ -459,7 +459,13 @@ def parse_goodput(items: Sequence[str] | None) -> SLO:
         k = {"e2el": "e2e"}.get(k.strip().lower(), k.strip().lower())
         if k not in kw:
             raise ValueError(f"goodput metric must be ttft, tpot or e2el, not {k!r}")
-        kw[k] = float(v) / 1000.0
+        try:
+            ms = float(v)
+        except ValueError:
+            raise ValueError(f"goodput {it!r}: {v.strip()!r} is not a number of ms") from None
+        if not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"goodput {it!r}: milliseconds must be a finite number > 0")
+        kw[k] = ms / 1000.0
     if not items:
         return SLO()
     return SLO(**kw)
@@ -510,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         help="completions: token-id prompts (exact); text: completions with a text prompt; chat",
     )
     p.add_argument("--api-key", default=None)
-    p.add_argument("--goodput", nargs="*", default=None, help="ttft:MS tpot:MS e2el:MS")
+    p.add_argument(
+        "--goodput", nargs="*", type=goodput, default=None, help="ttft:MS tpot:MS e2el:MS"
+    )
     p.add_argument("--json", type=Path, default=out_path("replay.json"), help="%(default)s")
     p.add_argument("--no-records", action="store_true", help="leave per-request records out")
     p.add_argument("--quiet", action="store_true")

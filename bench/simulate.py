@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -231,6 +232,24 @@ class PolicySpec:
                 f"unknown routing policy {self.name!r}; known: "
                 f"{', '.join([*POLICY_NAMES, PRECISE])}"
             )
+        # A weight or option out of its range (`affinity_slack=nan`, `-5`, `inf`) or with no such
+        # name (`--weights nosuch=1`) is refused here, as a usage error before a run or gateway
+        # starts, rather than as a ValueError/TypeError/AttributeError from inside the run.
+        wnames = {f.name for f in fields(Weights)}
+        onames = {f.name for f in fields(RoutingOptions)}
+        checks = (("a weight", self.weights, wnames), ("a routing option", self.options, onames))
+        for kind, pairs, names in checks:
+            for k, _ in pairs:
+                if k not in names:
+                    raise ValueError(
+                        f"{self.label}: {k!r} is not {kind}; known: {', '.join(sorted(names))}"
+                    )
+        try:
+            Weights(**dict(self.weights))
+            self.routing_options(64, "text")
+            self.routing_options(16, "trace")
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"{self.label}: {e}") from None
         return self
 
     def routing_options(self, trace_block: int, keys: str) -> RoutingOptions:
@@ -241,7 +260,7 @@ class PolicySpec:
             base = {"block_chars": trace_block, "chars_per_token": 1.0}
         for k, v in self.options:
             default = getattr(RoutingOptions(), k)
-            base[k] = int(v) if isinstance(default, int) else v
+            base[k] = int(v) if isinstance(default, int) and math.isfinite(v) else v
         return RoutingOptions(**base)
 
 
@@ -499,17 +518,58 @@ class ObservedFleet(VirtualFleet):
         super()._deliver(w, now)
 
 
+class _RefusedPrompt(list):
+    """The prompt of a request the fleet refuses (too long for the model or the KV cache),
+    without its tokens: `len()` is the request's true length, which is all the engine reads
+    before it refuses it (`admitted_max_tokens`: the same 400 and reason as for the full
+    prompt), while the list holds only a bounded head (for the gateway's keying, which hashes
+    a bounded prefix). A 10^8-token request used to be built in full (GBs) to be refused."""
+
+    __slots__ = ("_length",)
+
+    def __init__(self, head: list[int], length: int) -> None:
+        super().__init__(head)
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+
+# Tokens of a refused request's prompt that are built (for `--keys gateway`, whose keyer reads
+# a bounded prefix; `RoutingOptions` hashes ~2M tokens at most): the rest are never built.
+REFUSED_HEAD_TOKENS = 1 << 21
+
+
 def _arrivals(
-    reqs: Sequence[TraceRequest], progress: Callable[[int], None] | None, every: int = 50
+    reqs: Sequence[TraceRequest],
+    progress: Callable[[int], None] | None,
+    every: int = 50,
+    *,
+    config: EngineConfig | None = None,
+    refused_head: int = 0,
 ) -> Iterator[Arrival]:
-    """Prompts are materialised one at a time as the replay reaches them (Mooncake: 61M tokens)."""
+    """Prompts are materialised one at a time as the replay reaches them (Mooncake: 61M tokens).
+
+    With the fleet's `config`, a request the engine will refuse (`admitted_max_tokens`: its
+    prompt over `max_model_len` or the KV cache) is not built: its prompt is a `_RefusedPrompt`
+    of its length holding at most `refused_head` tokens, which the engine refuses as it refuses
+    the full prompt (counted in `failed` by reason), the replay going on."""
     for i, r in enumerate(reqs):
         if progress is not None and i % every == 0:
             progress(i)
         tag = r.session_id or r.tenant or None
-        yield Arrival(
-            r.arrival_s, SimRequest(r.request_id, prompt_token_ids(r), max(1, r.output_length)), tag
-        )
+        out = max(1, r.output_length)
+        prompt: list[int] | None = None
+        if config is not None and r.prompt_token_ids is None:
+            try:
+                admitted_max_tokens(config, r.input_length, out)
+            except ValueError:
+                head = min(r.input_length, refused_head)
+                part = prompt_token_ids(replace(r, input_length=head)) if head else []
+                prompt = _RefusedPrompt(part, r.input_length)
+        if prompt is None:
+            prompt = prompt_token_ids(r)
+        yield Arrival(r.arrival_s, SimRequest(r.request_id, prompt, out), tag)
     if progress is not None:
         progress(len(reqs))
 
@@ -552,7 +612,8 @@ def simulate_policy(
     router.attach(engines, fleet.block_size)
     sim = ObservedFleet(engines, router)
     t0, c0 = time.perf_counter(), time.process_time()
-    result = sim.run(_arrivals(reqs, progress))
+    head = REFUSED_HEAD_TOKENS if router.precise is not None or keys == "gateway" else 0
+    result = sim.run(_arrivals(reqs, progress, config=fleet.engine_config(), refused_head=head))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if bound_rate is None or pooled_rate is None:
         bound_rate, pooled_rate = bound_rates(reqs, fleet)
@@ -1033,9 +1094,9 @@ def add_policy_args(p: argparse.ArgumentParser, default: str = DEFAULT_POLICIES)
         default="trace",
         help="route on trace block ids (default) or on the gateway's own hash of the prompt",
     )
-    g.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT (s)")
-    g.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT (s)")
-    g.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on E2E (s)")
+    g.add_argument("--slo-ttft", type=positive, default=2.0, help="goodput SLO on TTFT (s)")
+    g.add_argument("--slo-tpot", type=positive, default=0.1, help="goodput SLO on TPOT (s)")
+    g.add_argument("--slo-e2e", type=positive, default=None, help="goodput SLO on E2E (s)")
     g.add_argument("--jobs", type=int, default=None, help="parallel processes (default: cores)")
 
 

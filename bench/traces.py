@@ -46,7 +46,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -54,8 +54,8 @@ import numpy as np
 import xxhash
 
 from bench.argtypes import positive
+from bench.conversations import MAX_BLOCK_SIZE, MAX_ZIPF_S, ConversationSpec, conversation
 from bench.conversations import PREFIX as CONVERSATION
-from bench.conversations import ConversationSpec, conversation
 from bench.specs import parse_spec
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -65,6 +65,9 @@ TOKEN_LOW, TOKEN_HIGH = 1000, 50000  # below 1000 are the sim tokenizer's words/
 # couple of array slices rather than a seeded RNG per id (Mooncake has 44k ids, 61M prompt tokens).
 # Two independent 20-bit offsets make accidental equality of two different ids ~1e-12 per pair.
 _POOL_BITS = 20
+# MAX_BLOCK_SIZE (bench.conversations): the largest block a trace may declare (tokens per block
+# id). Real traces use 16..512, and a block is one slice of the token pool, which grows to the
+# largest block: an absurd one is a malformed trace, not an 8 GB allocation.
 _pool: np.ndarray | None = None
 
 SCHEMA_VERSION = 1
@@ -119,8 +122,11 @@ def _mooncake_lines(path: str | Path) -> Iterator[tuple[int, TraceRecord]]:
                 )
             except KeyError as e:
                 raise TraceError(f"{path}:{n}: missing field {e}") from None
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
+                # OverflowError: `1e999` (inf) or a 400-digit timestamp in a number field.
                 raise TraceError(f"{path}:{n}: {e}") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{n}: JSON nested too deeply") from None
             yield n, rec
 
 
@@ -240,8 +246,12 @@ class TraceRequest:
             raise ValueError(f"{self.request_id}: input_length must be >= 1")
         if self.output_length < 0:
             raise ValueError(f"{self.request_id}: output_length must be >= 0")
-        if self.block_size < 1:
-            raise ValueError(f"{self.request_id}: block_size must be >= 1")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            # A block's tokens are one slice of the shared token pool (`prompt_token_ids`), which
+            # grows to the largest block: `block_size: 1e9` used to allocate ~8 GB.
+            raise ValueError(
+                f"{self.request_id}: block_size must be 1..{MAX_BLOCK_SIZE}, not {self.block_size}"
+            )
         lo, hi = self.input_length // self.block_size, -(-self.input_length // self.block_size)
         if (
             self.prompt is None
@@ -378,6 +388,8 @@ def read_jsonl(path: str | Path) -> Trace:
                 d = json.loads(line)
             except ValueError as e:
                 raise TraceError(f"{path}:{n}: not JSON: {e}") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{n}: not JSON: nested too deeply") from None
             if not isinstance(d, dict):
                 raise TraceError(f"{path}:{n}: a record must be a JSON object")
             if "kvgate_trace" in d:
@@ -396,8 +408,10 @@ def read_jsonl(path: str | Path) -> Trace:
                 r.validate()
             except KeyError as e:
                 raise TraceError(f"{path}:{n}: missing field {e}") from None
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise TraceError(f"{path}:{n}: {e}") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{n}: a field nested too deeply") from None
             if r.request_id in lines:
                 raise TraceError(
                     f"{path}:{n}: request_id {r.request_id!r} is already on line "
@@ -480,10 +494,13 @@ def _zipf_weights(n: int, s: float) -> list[float]:
 
 
 def _parse_azure_time(text: str) -> float:
-    """`2023-11-16 18:17:03.9799600` -> POSIX seconds (7 fractional digits: parsed by hand)."""
+    """`2023-11-16 18:17:03.9799600` -> POSIX seconds (7 fractional digits: parsed by hand).
+
+    The trace's times are UTC (they carry no zone): read in the machine's local zone, a trace
+    crossing a daylight-saving change gained or lost an hour of arrivals with `TZ`."""
     text = text.strip()
     base, _, frac = text.partition(".")
-    t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").timestamp()
+    t = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC).timestamp()
     return t + (float("0." + frac) if frac else 0.0)
 
 
@@ -587,8 +604,10 @@ def from_weka(paths: str | Path | Sequence[str | Path], stagger_s: float = 60.0)
             _weka_session(reqs, d["requests"], sid, sid, bs, k * stagger_s, sessions)
         except KeyError as e:
             raise TraceError(f"{fp}: missing field {e}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise TraceError(f"{fp}: {e}") from None
+        except RecursionError:
+            raise TraceError(f"{fp}: JSON nested too deeply") from None
         except OSError as e:
             raise TraceError(f"{fp}: cannot read it: {e.strerror or e}") from None
     for r in reqs:
@@ -698,6 +717,13 @@ class SyntheticSpec:
         spec = parse_spec(cls, text, "synthetic")
         if min(spec.groups, spec.users, spec.num_requests, spec.block_size) < 1:
             raise ValueError("synthetic: groups, users, num_requests and block_size must be >= 1")
+        if spec.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"synthetic: block_size must be <= {MAX_BLOCK_SIZE}")
+        if not (math.isfinite(spec.zipf_s) and -MAX_ZIPF_S <= spec.zipf_s <= MAX_ZIPF_S):
+            raise ValueError(
+                f"synthetic: zipf_s must be within -{MAX_ZIPF_S:g}..{MAX_ZIPF_S:g}, "
+                f"not {spec.zipf_s:g}"
+            )
         if spec.rate <= 0:
             raise ValueError("synthetic: rate must be > 0 (requests per second)")
         if min(spec.system_tokens, spec.question_tokens, spec.output_tokens) < 0:
@@ -800,6 +826,8 @@ def detect_format(path: str | Path) -> str:
             d = json.loads(first)
         except json.JSONDecodeError:  # one big (pretty-printed or long) object: a session file
             d = None
+        except RecursionError:
+            raise TraceError(f"{p}: its first line is JSON nested too deeply") from None
         if isinstance(d, dict):
             if "kvgate_trace" in d or ("arrival_s" in d and "input_length" in d):
                 return "kvgate"
@@ -845,8 +873,10 @@ def load_trace(path: str | Path, fmt: str | None = None, **options: Any) -> Trac
         raise
     except KeyError as e:
         raise TraceError(f"{path}: missing field {e}") from e
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         raise TraceError(f"{path}: {e}") from e
+    except RecursionError as e:
+        raise TraceError(f"{path}: malformed trace (nested too deeply)") from e
     except (IndexError, AttributeError) as e:
         raise TraceError(f"{path}: malformed trace ({type(e).__name__}: {e})") from e
     except OSError as e:
@@ -874,6 +904,13 @@ def _generated(spec: str, trace: Trace) -> Trace:
 
 
 def _convert(path: str | Path, fmt: str, options: dict[str, Any]) -> Trace:
+    if fmt in ("synthetic", CONVERSATION) and generator_of(path) != fmt:
+        # `convert real.jsonl --format synthetic` silently wrote the default synthetic trace
+        # in the file's place: a generator reads a spec, never a file.
+        raise TraceError(
+            f"{path}: --format {fmt} generates a trace from a spec ({fmt}:k=v,...), "
+            f"not from {'this existing file' if _exists(path) else 'a path'}"
+        )
     if fmt == "mooncake":
         return from_mooncake(path)
     if fmt == "azure":
@@ -1302,8 +1339,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a transform's range, for a caller that skipped the flag types
         exit_on_trace_error(p.prog, TraceError(str(e)))
     if args.cmd == "convert":
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(args.out, trace)
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_jsonl(args.out, trace)
+        except OSError as e:  # a directory, a read-only place, a full disk: one line
+            reason = e.strerror or str(e)
+            exit_on_trace_error(p.prog, TraceError(f"--out {args.out}: cannot write it: {reason}"))
         print(f"wrote {len(trace.requests)} requests to {args.out}")
     else:
         json.dump(_summary(trace), sys.stdout, indent=2)
