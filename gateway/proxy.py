@@ -12,15 +12,17 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
+import re
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
 import orjson
 from starlette.responses import Response
 
 from gateway.call import USAGE_MARK, Call, Usage
 from gateway.config import Settings, TimeoutSettings
-from gateway.errors import APIError, no_capacity
+from gateway.errors import JSON, APIError, error_body, no_capacity
 from gateway.ids import echo_headers
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
@@ -37,7 +39,7 @@ from gateway.upstream import (
 from scoring.policy import Policy
 from workers.deadlines import Deadlines
 from workers.registry import Registry
-from workers.worker import Worker
+from workers.worker import Health, Worker
 
 log = logging.getLogger("kvgate.proxy")
 # Bytes of a worker's 5xx body kept (and, give or take one read, read) for the client's error.
@@ -62,6 +64,11 @@ WHOLE_PARSE_MAX = 32 * 1024
 # The key that opens vLLM's top-level usage object, and how far its closing brace may be.
 _USAGE_OBJ = USAGE_MARK + b":{"
 _USAGE_SPAN = 4096
+# JSON's whitespace, before a big whole answer's first byte (`_whole_answer`).
+_JSON_SPACE = re.compile(rb"[ \t\r\n]*")
+# The most of a worker's `retry-after` (its 503 or 429) passed on to the client: a worker's
+# "come back in a day" must not park every client of the gateway for a day.
+RETRY_AFTER_MAX_S = 60.0
 
 
 class Proxy:
@@ -177,14 +184,19 @@ class Proxy:
                         life.refused(worker, call)
                         life.failed(worker, f"HTTP {resp.status} redirect")
                         continue
-                    if resp.status >= 500 and resp.status != 501:
+                    if (resp.status >= 500 and resp.status != 501) or resp.status == 429:
                         # A 501 is vLLM's answer to a request it does not implement (chat to a
                         # model with no generate runner): the request's doing, answered as a
                         # 4xx is. Blamed and retried, one client's such requests ejected every
                         # worker of the model (review).
+                        # A 429 is a worker (or a proxy in front of it) too busy to take the
+                        # request: nothing was generated, as with its 503, and it is handled
+                        # the same. Relayed, the client read it as its own rate limit, no other
+                        # worker was tried, and the tenant's rpm was spent on it (review).
                         call.upstream_sent = False  # refused: nothing was generated
+                        retry_after = _retry_after(resp.headers)
                         body = await _read_bounded(resp, t.idle_s)
-                        last_error = _upstream_error(resp.status, body)
+                        last_error = _upstream_error(resp.status, body, retry_after)
                         life.refused(worker, call)
                         if resp.status == 500 and _ERROR_ENVELOPE in body:
                             suspects.append(worker)
@@ -198,13 +210,45 @@ class Proxy:
                     call.status = resp.status
                     headers = self._headers(call, worker.name, decision.reason, settings)
                     if resp.status != 200:
+                        if resp.status < 300:
+                            # A 2xx other than 200: no vLLM answers so, the worker is broken (or
+                            # not vLLM). Bodiless (204, 205, content-length 0) it generated
+                            # nothing: a failure, retried elsewhere and refunded, as a 5xx is.
+                            # With a body it may be a whole answer (a 201 carrying the
+                            # completion): the conservative rule, as for any answer that may
+                            # have been generated, is no retry (it would run twice), a 502
+                            # that the walk charges the reservation for (`_unrelayable`).
+                            await resp.abort()
+                            if resp.status in (204, 205) or (
+                                resp.headers.get("content-length", "").strip() == "0"
+                            ):
+                                call.upstream_sent = False
+                                last_error = APIError(
+                                    502,
+                                    f"A worker answered HTTP {resp.status} without an answer.",
+                                    "upstream_error",
+                                    code="upstream_invalid_response",
+                                )
+                                life.refused(worker, call)
+                                life.failed(worker, f"HTTP {resp.status} without a body")
+                                continue
+                            return await self._unrelayable(
+                                call,
+                                worker,
+                                headers,
+                                f"HTTP {resp.status} answer",
+                                f"The worker answered HTTP {resp.status}, not 200.",
+                            )
                         life.refused(worker, call)  # the request itself was turned down
                     if resp.status != 200 or not call.stream:
-                        # Served here (a 200): a suspect's 500 was its own. A 4xx is no proof:
-                        # a worker turning the request down says nothing for its servability.
-                        served = resp.status == 200
                         whole = resp.status
-                        return await self._whole(call, worker, resp, headers, t, deadline)
+                        answer = await self._whole(call, worker, resp, headers, t, deadline)
+                        # Served here (a 200 relayed): a suspect's 500 was its own. A 4xx is no
+                        # proof: a worker turning the request down says nothing for its
+                        # servability, nor does an answer that could not be relayed.
+                        served = call.outcome == "ok"
+                        return answer
+                    ctype = resp.headers.get("content-type")
                     first = await self._first_chunk(resp, min(t.first_byte_s, deadline - _now()))
                     if first is None:
                         last_error = APIError(
@@ -215,12 +259,24 @@ class Proxy:
                         )
                         life.failed(worker, "empty stream")
                         continue
+                    if (
+                        ctype is not None
+                        and not ctype.startswith("text/event-stream")
+                        and not _streamed(ctype, first[1])
+                    ):
+                        # A stream asked for, a whole answer given (a JSON body: a proxy or an
+                        # engine that ignored `stream`). Relayed as a stream it was lost (the
+                        # client got the in-band error, the tenant was charged); it is read
+                        # whole, as a non-streaming answer is, and answered with a 502
+                        # (`_whole`). SSE events under another content-type (a sloppy server's
+                        # application/json) are still relayed. One comparison on the hot path:
+                        # vLLM's streams say `text/event-stream; charset=utf-8`.
+                        whole = 200
+                        return await self._whole(call, worker, resp, headers, t, deadline, first)
                     now = time.perf_counter()
                     call.ttft = now - call.t_start
                     life.first_byte(worker, call, now - t_sent)
-                    headers["content-type"] = resp.headers.get(
-                        "content-type", "text/event-stream; charset=utf-8"
-                    )
+                    headers["content-type"] = ctype or "text/event-stream; charset=utf-8"
                     handed_off = True
                     served = True
                     return RelayResponse(life, call, worker, resp, first, headers, t, deadline)
@@ -272,10 +328,12 @@ class Proxy:
                             "upstream_error",
                             code="upstream_timeout",
                         ) from None
-                    if timeout and not call.stream and call.upstream_sent:
+                    if timeout and (not call.stream or whole == 200) and call.upstream_sent:
                         # The worker took the request and was generating: another attempt would
                         # generate it all again (and a client could burn fleet compute for free).
-                        # No retry; the walk charges the reservation (gateway.app).
+                        # No retry; the walk charges the reservation (gateway.app). A stream
+                        # answered whole (`_streamed`) whose body outlasted the total deadline
+                        # too: no time is left for another attempt (the walk refunds a stream).
                         call.worker, call.status, call.outcome = (
                             worker.name,
                             504,
@@ -395,36 +453,126 @@ class Proxy:
         headers: dict[str, str],
         t: TimeoutSettings,
         deadline: float,
+        first: tuple[Callable[[], Awaitable[bytes]], bytes] | None = None,
     ) -> Response:
-        cap = WHOLE_BODY_MAX if resp.status == 200 else WHOLE_ERROR_MAX
+        """A whole answer: a non-streaming request's 200, a refusal (4xx), or a stream's 200 that
+        came as a whole answer (`forward`: ``first``, its reader and first chunk); read to its end,
+        within the total deadline, bounded.
+
+        A 200 is relayed as it came only when it is an answer: a JSON object (`_whole_answer`).
+        One that broke off mid-body, or that is something else (text, truncated JSON, an SSE
+        body for a non-streaming request, any whole body for a stream), was generated all the
+        same: no retry, a 502, charged as a cut-off answer (`_unrelayable`). A refusal's body
+        reaches the client as the OpenAI envelope (`_error_envelope`)."""
+        status = resp.status
+        cap = WHOLE_BODY_MAX if status == 200 else WHOLE_ERROR_MAX
         try:
             with self.deadlines.within(deadline - _now()):
-                body = await _read_capped(resp, cap)
+                body = await _read_capped(resp, cap, first)
+        except UpstreamStreamError as e:
+            await resp.abort()
+            if status != 200 or self.closing is not None:
+                raise  # a refusal's body cut: nothing was generated (`forward` retries it)
+            # The worker had generated the answer whole before its first byte: retried, it ran
+            # twice (review); with no other worker, it was a 502 charged nothing.
+            return await self._unrelayable(
+                call,
+                worker,
+                headers,
+                f"answer broke off ({e})",
+                "The worker's answer broke off.",
+                outcome="upstream_broken",
+                code="upstream_error",
+            )
         except BaseException:
             await resp.abort()
             raise
         if body is None:
             await resp.abort()  # mid-body: the connection cannot be reused
-            raise self._too_large(call, worker, resp.status, cap)
+            raise self._too_large(call, worker, status, cap)
         await resp.release()
         # No call.ttft: a whole response has no first token, and its duration would pollute the
         # TTFT histogram and the autoscaler's TTFT p95; it is recorded as e2e only.
-        if resp.status == 200:
-            call.usage = _usage_of(body)
-        call.outcome = "ok" if resp.status == 200 else "upstream_4xx"
+        ctype = resp.headers.get("content-type")
+        if status == 200:
+            answer, call.usage = _whole_answer(body, ctype)
+            if call.stream:
+                # Charged by its usage when it has one (it is what the worker generated), else
+                # the reservation (settlement: an `upstream_invalid_response`).
+                return await self._unrelayable(
+                    call,
+                    worker,
+                    headers,
+                    f"a whole answer ({ctype}) to a stream request",
+                    "The worker answered a stream request with a whole answer, not a stream.",
+                )
+            if not answer:
+                call.usage = None  # not an answer: its bytes say nothing trustworthy
+                return await self._unrelayable(
+                    call,
+                    worker,
+                    headers,
+                    f"HTTP 200 answer that is not a JSON object ({ctype}, {len(body)} bytes)",
+                    "The worker's answer is not a valid response.",
+                )
+            call.outcome = "ok"
+            headers["content-type"] = ctype or JSON
+        else:
+            call.outcome = "upstream_4xx"
+            body = _error_envelope(status, body)
+            headers["content-type"] = JSON
         self.life.succeeded(worker)
-        # A client that hangs up now cancels this task (the dispatch's disconnect watch), and a
-        # settlement cancelled half way leaks the tenant's lease until its TTL: it finishes on
-        # its own task whatever happens to this one.
-        done = asyncio.ensure_future(self.life.finish(call))
+        await self._settle_whole(call)
+        return Response(body, status, headers=headers)
+
+    async def _settle_whole(self, call: Call, error: str | None = None) -> None:
+        """`Lifecycle.finish` for an answer read whole. A client that hangs up now cancels this
+        task (the dispatch's disconnect watch), and a settlement cancelled half way leaks the
+        tenant's lease until its TTL: it finishes on its own task whatever happens to this one."""
+        done = asyncio.ensure_future(self.life.finish(call, error))
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
             _SETTLING.add(done)
             done.add_done_callback(_SETTLING.discard)
             raise
-        headers["content-type"] = resp.headers.get("content-type", "application/json")
-        return Response(body, resp.status, headers=headers)
+
+    async def _unrelayable(
+        self,
+        call: Call,
+        worker: Worker,
+        headers: dict[str, str],
+        why: str,
+        message: str,
+        *,
+        outcome: str = "upstream_invalid_response",
+        code: str = "upstream_invalid_response",
+    ) -> Response:
+        """The 502 for a worker's answer the gateway cannot relay, though the worker worked on
+        it: a 200 that broke off or is no answer, a stream answered whole, a 2xx other than 200
+        with a body. Its body is read (or given up) already.
+
+        Not retried: the worker took the request and answered, so it generated (another
+        attempt would generate it again). Settled here, as a whole answer is, under
+        ``outcome`` (gateway.settlement: the reservation, as for an answer cut off, unless
+        ``call.usage`` says what it cost); the client's envelope carries the request's ids.
+        The worker is blamed: a broken answer is its failure. Logged with what it did."""
+        call.status, call.outcome = 502, outcome
+        log.warning("request %s on %s: %s", call.request_id, worker.name, why)
+        self._blame(worker, why)
+        err = APIError(502, message, "upstream_error", code=code)
+        await self._settle_whole(call, message)
+        return err.response(headers)
+
+    def _blame(self, worker: Worker, error: str) -> None:
+        """`Lifecycle.failed`, without its "failed before first byte" line: the worker answered,
+        and `_unrelayable` logged what was wrong with the answer."""
+        life = self.life
+        if self.registry.workers.get(worker.name) is not worker:
+            return  # a reload moved the name to a new server: not its failure
+        self.registry.passive_failure(worker.name, error)
+        if life.prober is not None and worker.health is not Health.HEALTHY:
+            life.prober.poke(worker.name)
 
     def _too_large(self, call: Call, worker: Worker, status: int, cap: int) -> APIError:
         """The 502 for a whole answer over its bound (`_whole`); retried nowhere.
@@ -499,13 +647,20 @@ async def _read_bounded(resp: UpstreamResponse, timeout: float) -> bytes:
     return b"".join(parts)[:ERROR_BODY_MAX]
 
 
-async def _read_capped(resp: UpstreamResponse, cap: int) -> bytes | None:
+async def _read_capped(
+    resp: UpstreamResponse,
+    cap: int,
+    first: tuple[Callable[[], Awaitable[bytes]], bytes] | None = None,
+) -> bytes | None:
     """A whole answer's body, or None once more than ``cap`` bytes came (what one read brings
     past it is all that is held beyond the cap): the clients' own ``read`` buffers whatever the
-    worker sends until it ends."""
-    nxt = reader(resp)
-    parts: list[bytes] = []
-    size = 0
+    worker sends until it ends. ``first``: the body's reader and its first chunk, read already."""
+    if first is None:
+        nxt, parts, size = reader(resp), [], 0
+    else:
+        nxt, parts, size = first[0], [first[1]], len(first[1])
+        if size > cap:
+            return None
     while chunk := await nxt():
         size += len(chunk)
         if size > cap:
@@ -562,6 +717,48 @@ def _usage_of(body: bytes) -> Usage | None:
     return None
 
 
+# How an SSE body starts: a field (or a comment), past any blank lines.
+_SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
+
+
+def _streamed(ctype: str, first: bytes) -> bool:
+    """A stream's answer under a content-type other than vLLM's exact one (`forward`) is a
+    stream all the same: SSE's, spelt otherwise (case, spaces), or SSE events under another
+    (a server that labels its events application/json). Anything else (a JSON object, text)
+    is a whole answer."""
+    return ctype.strip().lower().startswith("text/event-stream") or first[:64].lstrip(
+        b" \r\n"
+    ).startswith(_SSE_STARTS)
+
+
+def _whole_answer(body: bytes, ctype: str | None) -> tuple[bool, Usage | None]:
+    """Whether a whole 200's body is an answer at all (a JSON object, as its content-type and
+    bytes say), and its usage (`_usage_of`).
+
+    A body up to ``WHOLE_PARSE_MAX`` is parsed whole (it was already, for its usage: vLLM's
+    answers all carry one), so text, truncated JSON or an empty body is caught exactly. A
+    bigger one is only looked at: its content-type and its first byte past whitespace (``{``);
+    parsing tens of MB to validate them would hold the loop (see `_usage_of`). A big answer
+    cut inside its JSON but framed whole passes, charged as an answer without usage is."""
+    if ctype is not None and "json" not in ctype.lower():
+        return False, None
+    if len(body) <= WHOLE_PARSE_MAX:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return False, None
+        if not isinstance(doc, dict):
+            return False, None
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            return True, Usage.from_json(doc.get("usage"))
+        return True, None
+    start = _JSON_SPACE.match(body)
+    at = start.end() if start is not None else 0
+    if body[at : at + 1] != b"{":
+        return False, None
+    return True, _usage_of(body)
+
+
 # What a retry is counted under (`kvgate_retries_total{reason}`): the gateway's own codes for the
 # failures it names, else the worker's status (`upstream_503`). The worker's own `code` is kept in
 # the client's error but never made a label: vLLM's is an int (read as None: reason="None"), and a
@@ -571,6 +768,8 @@ _RETRY_REASONS = frozenset(
         "upstream_connect_error",
         "upstream_empty_stream",
         "upstream_error",
+        "upstream_invalid_response",
+        "upstream_overloaded",
         "upstream_pool_full",
         "upstream_redirect",
         "upstream_response_too_large",
@@ -585,18 +784,81 @@ def _retry_reason(e: APIError | None) -> str:
     return e.code if e.code in _RETRY_REASONS else f"upstream_{e.status}"
 
 
-def _upstream_error(status: int, body: bytes) -> APIError:
-    """Keep the worker's own error envelope when there is one: it says what really went wrong."""
-    message, type_, code = f"worker returned HTTP {status}", "upstream_error", None
-    with contextlib.suppress(orjson.JSONDecodeError, TypeError, AttributeError, ValueError):
-        err = orjson.loads(body).get("error")
-        if isinstance(err, dict):
-            message = str(err.get("message") or message)
-            type_ = str(err.get("type") or type_)
-            code = err.get("code")
-        elif isinstance(err, str):
-            message = err
-    return APIError(status, message, type_, code=code if isinstance(code, str) else None)
+def _upstream_error(status: int, body: bytes, retry_after_s: float | None = None) -> APIError:
+    """A worker's 5xx (or 429) as the client's error, should no other worker serve the request.
+
+    Keeps the worker's own error (its envelope, or older vLLM's top-level shape) when there is
+    one: it says what really went wrong. A 429 (the worker too busy) is answered as a 503 is:
+    the client's 429 means its own rate limit, which this is not. The worker's `retry-after`
+    (seconds) is carried over, capped (`RETRY_AFTER_MAX_S`)."""
+    _, message, type_, code, _param = _error_parts(status, body)
+    if status == 429:
+        return APIError(
+            503,
+            message,
+            "service_unavailable",
+            code="upstream_overloaded",
+            retry_after_s=1.0 if retry_after_s is None else retry_after_s,
+        )
+    return APIError(
+        status,
+        message,
+        type_,
+        code=code if isinstance(code, str) else None,
+        retry_after_s=retry_after_s,
+    )
+
+
+def _error_parts(status: int, body: bytes) -> tuple[bool, str, str, str | int | None, str | None]:
+    """A worker's error body read: (is it the OpenAI envelope already, message, type, code,
+    param). The envelope's fields, or those of older vLLM's top-level shape
+    (``{"object": "error", "message": ...}``), or else "worker returned HTTP N"."""
+    message, type_ = f"worker returned HTTP {status}", "upstream_error"
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False, message, type_, None, None
+    if not isinstance(doc, dict):
+        return False, message, type_, None, None
+    err = doc.get("error")
+    if isinstance(err, str) and err:
+        return False, err, type_, None, None
+    envelope = isinstance(err, dict)
+    src = err if isinstance(err, dict) else doc
+    if not envelope and doc.get("object") != "error" and "message" not in doc:
+        return False, message, type_, None, None
+    message = str(src.get("message") or message)
+    type_ = str(src.get("type") or type_)
+    code = src.get("code")
+    if not isinstance(code, str | int) or isinstance(code, bool):
+        code = None
+    param = src.get("param")
+    return envelope, message, type_, code, param if isinstance(param, str) else None
+
+
+def _error_envelope(status: int, body: bytes) -> bytes:
+    """A worker's refusal (a 4xx, read whole) as the client's body: verbatim when it is the
+    OpenAI envelope (vLLM's own), else rebuilt as one (an HTML page from a proxy in front,
+    older vLLM's top-level error, an empty body): clients parse the envelope."""
+    envelope, message, type_, code, param = _error_parts(status, body)
+    if envelope:
+        return body
+    return error_body(message, type_, param=param, code=code)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """A worker's `retry-after` in seconds, capped at ``RETRY_AFTER_MAX_S``; None when absent
+    or not a number of seconds (the HTTP-date form is not carried over)."""
+    v = headers.get("retry-after")
+    if v is None:
+        return None
+    try:
+        s = float(v)
+    except ValueError:
+        return None
+    if not math.isfinite(s) or s < 0:
+        return None
+    return min(s, RETRY_AFTER_MAX_S)
 
 
 def _now() -> float:

@@ -12,7 +12,8 @@ What is charged, in order of what is known:
   tokens) the reservation;
 * a whole (non-streaming) response cut off while the worker generated it: how far the worker got
   is unknowable, so the reservation (prompt + output cap) is what it may have spent; exact billing
-  of cut-off work needs `stream: true`;
+  of cut-off work needs `stream: true`. So is an answer the worker generated but the gateway
+  could not relay (it broke off, it is not JSON, a stream request answered whole: `CUT_OFF`);
 * nothing generated: the reservation goes back; an upstream 4xx still counts as an attempt.
 """
 
@@ -31,8 +32,20 @@ from gateway.validate import CHAT
 
 log = logging.getLogger("kvgate.gateway")
 
-# Outcomes of a non-streaming request cut off while a worker was generating it.
-CUT_OFF = frozenset({"upstream_timeout", "client_disconnect", "upstream_too_large"})
+# Outcomes of a non-streaming request cut off while a worker was generating it, or whose answer,
+# generated, could not be relayed (gateway.proxy `_unrelayable`: it broke off, or it is no answer).
+CUT_OFF = frozenset(
+    {
+        "upstream_timeout",
+        "client_disconnect",
+        "upstream_too_large",
+        "upstream_broken",
+        "upstream_invalid_response",
+    }
+)
+# A worker answered, whole, what it should not have (a stream request answered whole, a 2xx
+# other than 200 with a body): it generated, whether the request was a stream or not.
+_ANSWERED_WRONG = frozenset({"upstream_invalid_response"})
 # Outcomes of a stream whose worker had the prompt, whatever it streamed: the client left, or
 # the stream, started, broke off (the relay's in-band errors).
 _HAD_PROMPT = frozenset({"client_disconnect", "upstream_broken", "idle_timeout"})
@@ -78,10 +91,13 @@ def charge(account: Account, call: Call) -> int | None:
             prompt = max(prompt, live[0])
             generated = max(generated, live[1])
         return prompt + generated
-    if not call.stream and (call.outcome in CUT_OFF or call.status == 200):
+    if (not call.stream and (call.outcome in CUT_OFF or call.status == 200)) or (
+        call.outcome in _ANSWERED_WRONG
+    ):
         # Cut off while generating, or a whole answer that came without usage (a server that
-        # omits it, a proxy that strips it): generated, amount unknown. The reservation
-        # bounds it (the output cap is in it); charged nothing, such a key was unlimited.
+        # omits it, a proxy that strips it) or could not be relayed: generated, amount
+        # unknown. The reservation bounds it (the output cap is in it); charged nothing, such
+        # a key was unlimited.
         return _reserved(account)
     return None
 

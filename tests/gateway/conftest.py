@@ -290,12 +290,16 @@ async def serve_app(app: Any, force_exit: bool = False) -> AsyncIterator[str]:
 
 def scripted_app(received: list[bytes], burst: bool = False) -> Any:
     """The scripted worker's app: ``scripted_fragments`` 1 ms apart, or with ``burst`` the first
-    event alone and then the others in one go (one HTTP chunk each, in the same socket read)."""
+    event alone and then the others in one go (one HTTP chunk each, in the same socket read).
+    A non-streaming request gets a whole answer, as vLLM gives one."""
     from starlette.requests import Request
-    from starlette.responses import Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
 
     async def chat(request: Request) -> Response:
-        received.append(await request.body())
+        body = await request.body()
+        received.append(body)
+        if not json.loads(body).get("stream"):
+            return JSONResponse(chat_completion())
 
         async def gen() -> AsyncIterator[bytes]:
             if burst:

@@ -96,12 +96,18 @@ async def test_a_redirecting_worker_is_passed_over_for_another(client: str) -> N
 
 
 @pytest.mark.parametrize("client", CLIENTS)
-async def test_a_workers_400_still_reaches_the_client_as_it_is(client: str) -> None:
-    err = (
+async def test_a_workers_400_still_reaches_the_client_with_its_message(client: str) -> None:
+    # An older vLLM's top-level error shape is passed on as the OpenAI envelope (what every
+    # refusal is), its message, type and code kept (tests/gateway/test_upstream_answers.py).
+    old = (
         b'{"object":"error","message":"This model\'s maximum context length is 8 tokens.",'
         b'"type":"BadRequestError","param":null,"code":400}'
     )
-    async with raw_worker(answer(b"400 Bad Request", err)) as (url, _posts):
+    err = (
+        b'{"error":{"message":"This model\'s maximum context length is 8 tokens.",'
+        b'"type":"BadRequestError","param":null,"code":400}}'
+    )
+    async with raw_worker(answer(b"400 Bad Request", old)) as (url, _posts):
         s = settings_for([url], upstream={"client": client})
         async with run_gateway(s) as g, httpx.AsyncClient(timeout=30) as c:
             await g.wait_healthy(1)
