@@ -5,13 +5,13 @@ policy weights and routing options out of range or of no such name, compare's fl
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench import capacity, compare, replay, simulate, tune
 from bench.simulate import PolicySpec
+from tests.support.cli import cli_error
 
 REC = {"arrival_s": 0, "request_id": "a", "input_length": 100, "output_length": 5,
        "block_size": 16, "block_ids": [1, 2, 3, 4, 5, 6]}  # fmt: skip
@@ -25,18 +25,6 @@ def _trace(tmp_path: Path) -> str:
 
 def _started(*_a: object, **_k: object) -> None:
     raise AssertionError("the tool started work before refusing its flags")
-
-
-def _usage_error(
-    capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], int], argv: list[str]
-) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()[-1]) > 0
-    return err.strip().splitlines()[-1]
 
 
 # -- fix 2: policy weights and options --------------------------------------------------------
@@ -65,7 +53,7 @@ def test_simulate_refuses_bad_weights_and_options(
 ) -> None:
     monkeypatch.setattr(simulate, "trace_from_args", _started)
     argv = ["--trace", _trace(tmp_path), "--workers", "1", "--jobs", "1", "--quiet", *flags]
-    line = _usage_error(capsys, simulate.main, [*argv, "--json", str(tmp_path / "o.json")])
+    line = cli_error(capsys, simulate.main, [*argv, "--json", str(tmp_path / "o.json")])
     assert "--policies/--weights/--options" in line
     assert named in line
 
@@ -90,7 +78,7 @@ def test_compare_refuses_a_bad_option_before_it_starts_anything(
 ) -> None:
     monkeypatch.setattr(compare, "prepare", _started)
     argv = ["--trace", _trace(tmp_path), "--policies", "kv_aware[affinity_slack=-5]"]
-    line = _usage_error(capsys, compare.main, [*argv, "--out", str(tmp_path / "cmp")])
+    line = cli_error(capsys, compare.main, [*argv, "--out", str(tmp_path / "cmp")])
     assert "affinity_slack" in line
     assert not (tmp_path / "cmp").exists()
 
@@ -120,7 +108,7 @@ def test_compare_refuses_bad_fleet_flags(
 ) -> None:
     monkeypatch.setattr(compare, "prepare", _started)
     argv = ["--trace", _trace(tmp_path), flag, value, "--out", str(tmp_path / "cmp")]
-    line = _usage_error(capsys, compare.main, argv)
+    line = cli_error(capsys, compare.main, argv)
     assert f"argument {flag}" in line
 
 
@@ -143,9 +131,9 @@ def test_replay_and_compare_refuse_a_bad_goodput(
     monkeypatch.setattr(replay, "prepare_trace", _started)
     trace = _trace(tmp_path)
     argv = ["--trace", trace, "--goodput", item, "--out", str(tmp_path / "cmp")]
-    assert "argument --goodput" in _usage_error(capsys, compare.main, argv)
+    assert "argument --goodput" in cli_error(capsys, compare.main, argv)
     argv = ["--url", "http://127.0.0.1:9", "--trace", trace, "--goodput", item]
-    assert "argument --goodput" in _usage_error(capsys, replay.main, argv)
+    assert "argument --goodput" in cli_error(capsys, replay.main, argv)
 
 
 def test_a_valid_goodput_still_parses() -> None:
@@ -169,8 +157,8 @@ def test_simulate_tune_capacity_refuse_a_bad_slo(
     trace = _trace(tmp_path)
     for main in (simulate.main, tune.main, capacity.main):
         argv = ["--trace", trace, "--workers", "1", f"{flag}={value}"]
-        line = _usage_error(capsys, main, [*argv, "--json", str(tmp_path / "o.json")])
+        line = cli_error(capsys, main, [*argv, "--json", str(tmp_path / "o.json")])
         assert f"argument {flag}" in line
     argv = ["--trace", trace, "--workers", "1", f"--slo-ttft-p95={value}"]
-    line = _usage_error(capsys, capacity.main, [*argv, "--json", str(tmp_path / "o.json")])
+    line = cli_error(capsys, capacity.main, [*argv, "--json", str(tmp_path / "o.json")])
     assert "argument --slo-ttft-p95" in line

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,10 @@ import pytest
 from bench import simulate, traces
 from bench.simulate import FleetSpec, PolicySpec, simulate_policy
 from bench.traces import Trace, TraceError, TraceRequest, load_trace, read_jsonl
+from tests.support.cli import cli_error
 
 REC = {"arrival_s": 0, "request_id": "a", "input_length": 100, "output_length": 5,
        "block_size": 16, "block_ids": [1, 2, 3, 4, 5, 6]}  # fmt: skip
-
-
-def _cli_error(
-    capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], int], argv: list[str]
-) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 def _write(path: Path, *records: object) -> str:
@@ -52,7 +41,7 @@ def test_an_absurd_block_size_is_a_malformed_trace(
         read_jsonl(path)
     argv = ["--trace", path, "--workers", "2", "--num-blocks", "512", "--policies", "round_robin"]
     argv += ["--jobs", "1", "--quiet", "--json", str(tmp_path / "o.json")]
-    assert "block_size" in _cli_error(capsys, simulate.main, argv)
+    assert "block_size" in cli_error(capsys, simulate.main, argv)
 
 
 @pytest.mark.parametrize(
@@ -232,11 +221,11 @@ def test_convert_to_a_directory_or_under_a_file_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = _write(tmp_path / "t.jsonl", REC)
-    line = _cli_error(capsys, traces.main, ["convert", src, "--out", str(tmp_path)])
+    line = cli_error(capsys, traces.main, ["convert", src, "--out", str(tmp_path)])
     assert f"--out {tmp_path}" in line
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    line = _cli_error(capsys, traces.main, ["convert", src, "--out", str(blocker / "o.jsonl")])
+    line = cli_error(capsys, traces.main, ["convert", src, "--out", str(blocker / "o.jsonl")])
     assert "--out" in line
 
 
@@ -250,7 +239,7 @@ def test_a_generator_format_refuses_a_real_file(
     src = _write(tmp_path / "t.jsonl", REC)
     out = tmp_path / "o.jsonl"
     argv = ["convert", src, "--format", fmt, "--out", str(out)]
-    line = _cli_error(capsys, traces.main, argv)
+    line = cli_error(capsys, traces.main, argv)
     assert f"--format {fmt}" in line and "t.jsonl" in line
     assert not out.exists()
     with pytest.raises(TraceError, match=f"--format {fmt}"):
@@ -278,7 +267,7 @@ def test_out_of_range_generator_exponents_are_refused(
 ) -> None:
     with pytest.raises(TraceError, match=named):
         load_trace(spec)
-    assert named in _cli_error(capsys, traces.main, ["info", spec])
+    assert named in cli_error(capsys, traces.main, ["info", spec])
 
 
 def test_in_range_exponents_still_generate() -> None:

@@ -12,9 +12,26 @@ from typing import Any
 import orjson
 
 from gateway.config import Settings
+from gateway.usage import UsageSink
 from tests.gateway.conftest import MODEL, settings_for, stub_app
 
 KEY = "kvg-review-tokens"
+
+
+class RecordedSink:
+    """The gateway's usage sink (a JSONL file or the Redis stream), each record kept here too:
+    written after the quota settlement, so one here means the store has it."""
+
+    def __init__(self, sink: UsageSink) -> None:
+        self.sink = sink
+        self.records: list[dict[str, Any]] = []
+
+    async def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        await self.sink.write(record)
+
+    async def close(self) -> None:
+        await self.sink.close()
 
 
 def tenant_settings(urls: list[str], quota: dict[str, Any], **tenant: Any) -> Settings:

@@ -27,8 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from bench.redis_server import RedisServer
 from gateway.app import Gateway
 from gateway.config import Settings
-from gateway.usage import UsageSink
-from tests.gateway.accounting_stubs import DONE, ROLE, content, usage_chunk
+from tests.gateway.accounting_stubs import DONE, ROLE, RecordedSink, content, usage_chunk
 from tests.gateway.conftest import (
     MODEL,
     RunningGateway,
@@ -82,22 +81,6 @@ def _worker(release: asyncio.Event, stalled: list[str], head_first: bool, stall:
     return stub_app(chat)
 
 
-class _Recorded:
-    """The gateway's usage sink (a JSONL file or the Redis stream), each record kept here too:
-    written after the quota settlement, so one here means the store has it."""
-
-    def __init__(self, sink: UsageSink) -> None:
-        self.sink = sink
-        self.records: list[dict[str, Any]] = []
-
-    async def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        await self.sink.write(record)
-
-    async def close(self) -> None:
-        await self.sink.close()
-
-
 def _settings(urls: list[str], quota: dict[str, Any]) -> Settings:
     base = settings_for(
         urls,
@@ -140,7 +123,7 @@ def _body(text: str) -> dict[str, Any]:
 
 
 async def _post(
-    g: RunningGateway, c: httpx.AsyncClient, usage: _Recorded, text: str
+    g: RunningGateway, c: httpx.AsyncClient, usage: RecordedSink, text: str
 ) -> tuple[httpx.Response, dict[str, Any]]:
     """One request, and its usage record once it is settled."""
     n = len(usage.records)
@@ -160,7 +143,7 @@ async def test_a_stream_served_after_a_first_byte_retry_is_charged_like_any_othe
         try:
             async with run_gateway(_settings([u1, u2], quota)) as g, httpx.AsyncClient() as c:
                 await g.wait_healthy(2)
-                usage = g.gw.settlement.usage = _Recorded(g.gw.settlement.usage)
+                usage = g.gw.settlement.usage = RecordedSink(g.gw.settlement.usage)
                 assert await _remaining(g.gw) == (RPM_BURST, TPM_BURST)
 
                 plain, rec = await _post(g, c, usage, "hi")
@@ -195,7 +178,7 @@ async def test_a_stream_every_worker_timed_out_is_refunded_whole(quota: dict[str
         try:
             async with run_gateway(_settings([u1, u2], quota)) as g, httpx.AsyncClient() as c:
                 await g.wait_healthy(2)
-                usage = g.gw.settlement.usage = _Recorded(g.gw.settlement.usage)
+                usage = g.gw.settlement.usage = RecordedSink(g.gw.settlement.usage)
                 r = await c.post(
                     g.url + "/v1/chat/completions", json=_body("stall"), headers=HEADERS
                 )

@@ -38,10 +38,9 @@ import pytest
 
 from gateway.app import Gateway
 from gateway.config import Settings
-from gateway.usage import UsageSink
-from tests.gateway.accounting_stubs import DONE, ROLE, content, usage_chunk
+from tests.gateway.accounting_stubs import DONE, ROLE, RecordedSink, content, usage_chunk
 from tests.gateway.conftest import MODEL, RunningGateway, run_gateway, settings_for, until
-from tests.support.raw_worker import answer_probe, models_body, server
+from tests.support.raw_worker import answer_probe, models_body, read_request, server
 
 KEY = "kvg-upstream-answers"
 HEADERS = {"authorization": f"Bearer {KEY}", "x-request-id": "client-rid-1"}
@@ -92,21 +91,12 @@ class Fleet:
     bad: int = 1
     posts: list[str] = field(default_factory=list)  # the worker of each POST, in order
 
-    async def read_request(self, r: asyncio.StreamReader) -> tuple[bytes, bytes]:
-        head = await r.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        n = 0
-        for h in lines[1:]:
-            if h.lower().startswith(b"content-length:"):
-                n = int(h.split(b":", 1)[1])
-        return lines[0], await r.readexactly(n) if n else b""
-
     def handler(self, name: str) -> Any:
         models = models_body(MODEL)
 
         async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             while True:
-                line, body = await self.read_request(r)
+                line, body = await read_request(r)
                 if answer_probe(line, w, models):
                     await w.drain()
                     continue
@@ -124,21 +114,6 @@ class Fleet:
                 return
 
         return handle
-
-
-class _Recorded:
-    """The usage sink, each record kept: written after the quota settlement."""
-
-    def __init__(self, sink: UsageSink) -> None:
-        self.sink = sink
-        self.records: list[dict[str, Any]] = []
-
-    async def write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        await self.sink.write(record)
-
-    async def close(self) -> None:
-        await self.sink.close()
 
 
 def _settings(urls: list[str], client: str) -> Settings:
@@ -169,7 +144,7 @@ def _settings(urls: list[str], client: str) -> Settings:
 class Rig:
     g: RunningGateway
     fleet: Fleet
-    usage: _Recorded
+    usage: RecordedSink
     client: httpx.AsyncClient
 
     @property
@@ -218,7 +193,7 @@ async def rig(client: str, bad_answer: bytes, bad: int = 1) -> AsyncIterator[Rig
         httpx.AsyncClient(timeout=30) as c,
     ):
         await g.wait_healthy(2)
-        usage = _Recorded(g.gw.settlement.usage)
+        usage = RecordedSink(g.gw.settlement.usage)
         g.gw.settlement.usage = usage  # type: ignore[assignment]
         yield Rig(g, fleet, usage, c)
 

@@ -33,11 +33,13 @@ from gateway.upstream_h1 import HIGH_WATER
 from tests.gateway.conftest import MODEL, run_gateway, settings_for
 from tests.gateway.test_upstream_h1 import OK, client, read_request, until
 from tests.support.raw_worker import (
-    _read_request,
     answer_probe,
     models_body,
     raw_worker,
     server,
+)
+from tests.support.raw_worker import (
+    read_request as raw_read_request,
 )
 
 # A POST script of `pooled_worker`: the reader, the writer, and how many POSTs this connection
@@ -63,7 +65,7 @@ async def pooled_worker(
         me, carried = conns, 0
         try:
             while True:
-                line, body = await _read_request(r)
+                line, body = await raw_read_request(r)
                 if not answer_probe(line, w, models):
                     i = len(posts)
                     posts.append((me, body))

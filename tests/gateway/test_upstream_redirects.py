@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import MODEL, run_gateway, settings_for
-from tests.support.raw_worker import _read_request, raw_worker, server
+from tests.support.raw_worker import raw_worker, read_request, server
 
 OK = (
     b'{"id":"x","object":"chat.completion","model":"%b","choices":[{"index":0,"message":'
@@ -51,7 +51,7 @@ async def test_a_redirect_is_not_followed_and_answers_a_502(client: str, stream:
     elsewhere: list[bytes] = []
 
     async def other(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        line, body = await _read_request(r)
+        line, body = await read_request(r)
         elsewhere.append(line + b" " + body)
         w.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"

@@ -24,7 +24,7 @@ __all__ = ["Script", "answer_probe", "models_body", "raw_worker", "server"]
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def _read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
+async def read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """The request line and the body (content-length framed, as the gateway sends them)."""
     head = await r.readuntil(b"\r\n\r\n")
     lines = head.split(b"\r\n")
@@ -94,7 +94,7 @@ async def raw_worker(
 
     async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while True:
-            line, body = await _read_request(r)
+            line, body = await read_request(r)
             if not answer_probe(line, w, models):
                 posts.append(body)
                 await script(r, w)
