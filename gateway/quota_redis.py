@@ -386,7 +386,6 @@ class RedisQuotaStore:
         self._renewer: asyncio.Task[None] | None = None
         self._renew_failing_since: float | None = None  # monotonic; None while renewals succeed
         self._renew_logged_at = 0.0
-        self._policy_checked = False  # `_warn_if_evicting` ran
         self.use_evalsha = True
         if client is None:
             pool = BlockingConnectionPool.from_url(
@@ -566,9 +565,6 @@ class RedisQuotaStore:
             del self._held[tenant]
 
     async def _renew_loop(self) -> None:
-        if not self._policy_checked:
-            await self._warn_if_evicting()
-            self._policy_checked = True
         while True:
             await asyncio.sleep(self.lease_renew_s)
             try:
@@ -582,26 +578,6 @@ class RedisQuotaStore:
                     down = time.monotonic() - self._renew_failing_since
                     log.info("quota lease renewal works again (failing for %.0fs)", down)
                     self._renew_failing_since = None
-
-    async def _warn_if_evicting(self) -> None:
-        """Say once, when the first lease is held, that a store allowed to evict keys breaks the
-        limits: it drops one key at a time, and a request's record evicted while its bucket
-        kept the reservation was charged both (RENEW_LUA restores the record empty: the
-        reservation plus the tokens used). Quotas need `maxmemory-policy noeviction`. Silent
-        where CONFIG is refused (managed Redis) or the store does not answer."""
-        try:
-            reply = await asyncio.wait_for(
-                self.client.config_get("maxmemory-policy"), self.op_timeout_s
-            )
-        except Exception:
-            return
-        policy = _s(next(iter(reply.values()), b"")) if reply else ""
-        if policy and policy != "noeviction":
-            log.warning(
-                "the quota store's maxmemory-policy is %s: keys it evicts under memory pressure "
-                "lose or double-count reservations; run it with noeviction",
-                policy,
-            )
 
     def _renew_failed(self, e: Exception) -> None:
         now = time.monotonic()

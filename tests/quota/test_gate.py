@@ -8,7 +8,6 @@ the open reservations it held, as a Redis restarted or failed over with its data
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -24,7 +23,6 @@ from gateway.quota_gate import QuotaGate, Ticket, _refusal
 from gateway.quota_redis import RedisQuotaStore
 from gateway.tenancy import Tenant, _limits
 from tests.gateway.conftest import flat_metrics
-from tests.support.polling import until
 
 # Small enough that what was charged is still visible after the restart (decays 100 tokens/s).
 TPM = 6000
@@ -304,10 +302,13 @@ async def test_a_settlement_cancelled_on_its_way_to_the_store_is_sent_later(
     t = tenant()
     ticket = await g.admit(t, "cut", "m", 1000)
     sent = asyncio.Event()
+    real = getattr(g.shared, kind)
 
-    async def slow(*args: object, **kw: object) -> None:
-        sent.set()
-        await asyncio.Event().wait()  # the store has not answered when the cut comes
+    async def slow(*args: object, **kw: object) -> object:
+        if not sent.is_set():  # the first call: the store has not answered when the cut comes
+            sent.set()
+            await asyncio.Event().wait()
+        return await real(*args, **kw)  # the replay (by the replayer or `close`)
 
     monkeypatch.setattr(g.shared, kind, slow)
     try:
@@ -319,8 +320,7 @@ async def test_a_settlement_cancelled_on_its_way_to_the_store_is_sent_later(
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert g.deferred == 1 and g.breaker.state.value == "closed"
-        monkeypatch.undo()
+        assert g.breaker.state.value == "closed"  # a cancel is not a store failure
     finally:
         await g.close()  # sends what was deferred
     assert g.deferred == 0
@@ -330,34 +330,6 @@ async def test_a_settlement_cancelled_on_its_way_to_the_store_is_sent_later(
     finally:
         await check.close()
     assert await open_states(own_redis.url) == ["settled"]
-
-
-@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
-async def test_a_store_that_may_evict_keys_is_warned_about(
-    own_redis: RedisServer, caplog: pytest.LogCaptureFixture, policy: str
-) -> None:
-    # Review finding: an evicted reservation record (its bucket kept) was restored empty by the
-    # lease renewal, and the settle charged the reservation and the tokens used both. Quotas
-    # need noeviction; a store that may evict is named in the log once a lease is held.
-    r = aioredis.from_url(own_redis.url)
-    try:
-        await r.config_set("maxmemory-policy", policy)
-    finally:
-        await r.aclose()
-    g, _ = make_gate(own_redis.url)
-    try:
-        with caplog.at_level(logging.WARNING, logger="kvgate.quota"):
-            ticket = await g.admit(tenant(), "r1", "m", 10)
-            store = g.shared
-            assert isinstance(store, RedisQuotaStore)
-            assert await until(lambda: store._policy_checked)
-            await g.settle(ticket, 10)
-    finally:
-        await g.close()
-    warned = [rec for rec in caplog.records if "maxmemory-policy" in rec.getMessage()]
-    assert len(warned) == (1 if policy != "noeviction" else 0), caplog.text
-    if warned:
-        assert policy in warned[0].getMessage()
 
 
 async def test_a_settlement_whose_metric_raises_still_frees_the_lease(
