@@ -26,12 +26,16 @@ def positive(text: str) -> float:
 
 def count(text: str) -> int:
     """A whole number >= 1: workers, blocks, tokens, requests to keep."""
+    return _whole(text, 1)
+
+
+def _whole(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {text!r}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, not {text!r}")
     return value
 
 
@@ -56,10 +60,4 @@ def goodput(text: str) -> str:
 
 def nonnegative_int(text: str) -> int:
     """A whole number >= 0, where 0 means "no cap" (`--max-output 0`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {text!r}")
-    return value
+    return _whole(text, 0)

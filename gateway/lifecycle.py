@@ -189,10 +189,12 @@ class Lifecycle:
             call.policy.on_refused(worker.name, call.route, call.learned)
         call.learned = None
 
-    def failed(self, worker: Worker, error: str) -> None:
-        """The worker failed a request before its first byte: passive health, and a probe now
+    def failed(self, worker: Worker, error: str, *, logged: bool = False) -> None:
+        """The worker failed a request (before its first byte, or with an answer that could not
+        be relayed: ``logged``, the caller said what was wrong): passive health, and a probe now
         when that left it less than healthy (it may have died)."""
-        log.warning("worker %s failed before first byte: %s", worker.name, error)
+        if not logged:
+            log.warning("worker %s failed before first byte: %s", worker.name, error)
         if not self._current(worker):
             return
         self.registry.passive_failure(worker.name, error)

@@ -39,7 +39,7 @@ from gateway.upstream import (
 from scoring.policy import Policy
 from workers.deadlines import Deadlines
 from workers.registry import Registry
-from workers.worker import Health, Worker
+from workers.worker import Worker
 
 log = logging.getLogger("kvgate.proxy")
 # Bytes of a worker's 5xx body kept (and, give or take one read, read) for the client's error.
@@ -559,20 +559,10 @@ class Proxy:
         The worker is blamed: a broken answer is its failure. Logged with what it did."""
         call.status, call.outcome = 502, outcome
         log.warning("request %s on %s: %s", call.request_id, worker.name, why)
-        self._blame(worker, why)
+        self.life.failed(worker, why, logged=True)
         err = APIError(502, message, "upstream_error", code=code)
         await self._settle_whole(call, message)
         return err.response(headers)
-
-    def _blame(self, worker: Worker, error: str) -> None:
-        """`Lifecycle.failed`, without its "failed before first byte" line: the worker answered,
-        and `_unrelayable` logged what was wrong with the answer."""
-        life = self.life
-        if self.registry.workers.get(worker.name) is not worker:
-            return  # a reload moved the name to a new server: not its failure
-        self.registry.passive_failure(worker.name, error)
-        if life.prober is not None and worker.health is not Health.HEALTHY:
-            life.prober.poke(worker.name)
 
     def _too_large(self, call: Call, worker: Worker, status: int, cap: int) -> APIError:
         """The 502 for a whole answer over its bound (`_whole`); retried nowhere.
